@@ -1,0 +1,66 @@
+"""The generic rule: per-example VJPs of one layer alone.
+
+For a layer ``f(x; W)`` with recorded inputs ``x_i`` and output gradients ``D_i``,
+
+    g_i = d/dW <f(x_i; W), D_i>,
+
+one VJP per example, vectorized with ``tf.vectorized_map`` over ``layer.stateless_call``. This is
+exact for any layer that treats examples independently. A layer with an op that has no vectorized
+form gets a per-example loop instead, with a warning naming the layer.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import tensorflow as tf
+
+from pergrad.rules import LayerCall
+from pergrad.rules.forms import Materialized
+
+
+def _is_batched(leaf, batch_size: int | None) -> bool:
+    if not isinstance(leaf, (tf.Tensor, tf.Variable)) or leaf.shape.rank in (None, 0):
+        return False
+    dim = leaf.shape[0]
+    return dim is None or batch_size is None or dim == batch_size
+
+
+def generic_forms(layer, call: LayerCall, grads: list, batch_size: int | None,
+                  warned: set) -> list[Materialized]:
+    """Materialized per-example gradients of ``layer``'s trainable variables for one call."""
+    variables = layer.trainable_variables
+    values = [v.value for v in variables]
+    frozen = [v.value for v in layer.non_trainable_variables]
+    leaves = tf.nest.flatten((call.args, call.kwargs))
+    batched = [i for i, leaf in enumerate(leaves) if _is_batched(leaf, batch_size)]
+
+    def one_example(elems):
+        example_leaves, example_grads = elems
+        full = list(leaves)
+        for k, i in enumerate(batched):
+            full[i] = example_leaves[k][None]
+        args, kwargs = tf.nest.pack_sequence_as((call.args, call.kwargs), full)
+        with tf.GradientTape() as tape:
+            tape.watch(values)
+            out, _ = layer.stateless_call(values, frozen, *args, **kwargs)
+            outs = [o for o in tf.nest.flatten(out) if isinstance(o, tf.Tensor)]
+            total = tf.add_n([tf.reduce_sum(o * tf.cast(g[None], o.dtype))
+                              for o, g in zip(outs, example_grads, strict=True)])
+        return tape.gradient(total, values, unconnected_gradients=tf.UnconnectedGradients.ZERO)
+
+    elems = ([leaves[i] for i in batched], grads)
+    try:
+        per_example = tf.vectorized_map(one_example, elems, fallback_to_while_loop=False)
+    except Exception as error:  # noqa: BLE001 - pfor raises several types for missing converters
+        if id(layer) not in warned:
+            warned.add(id(layer))
+            warnings.warn(
+                f"pergrad: layer {layer.name!r} ({type(layer).__name__}) could not be vectorized "
+                f"({type(error).__name__}: {str(error).splitlines()[0][:160]}); its per-example "
+                "gradients are computed with a per-example loop, which is slower but exact.",
+                RuntimeWarning, stacklevel=2)
+        per_example = tf.map_fn(one_example, elems,
+                                fn_output_signature=[tf.TensorSpec(v.shape, v.dtype)
+                                                     for v in values])
+    return [Materialized(v, g) for v, g in zip(variables, per_example, strict=True)]

@@ -1,0 +1,76 @@
+"""Record the calls of tapped layers during one forward pass.
+
+Inside the ``with`` block each tapped layer's ``call`` is replaced by a wrapper that records the
+arguments and the output. For ruled layers with an ``activation`` the activation is applied by the
+wrapper *after* recording, so the recorded output is the pre-activation, where the rules' formulas
+live. On exit every layer is left exactly as it was.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import tensorflow as tf
+
+from pergrad.engine.plan import Plan
+from pergrad.rules import LayerCall
+
+
+class ControlFlowError(NotImplementedError):
+    """A tapped layer ran inside a loop (a custom RNN cell, ``tf.map_fn``) and cannot be tapped."""
+
+
+def _graph():
+    return tf.compat.v1.get_default_graph()
+
+
+@contextlib.contextmanager
+def record_calls(plan: Plan):
+    """Yield a dict ``layer id -> list[LayerCall]`` filled while the model runs."""
+    calls: dict[int, list[LayerCall]] = {}
+    outer_graph = _graph()
+    patched = []
+
+    def install(layer, rule):
+        original = layer.call
+        split = rule is not None and rule.splits_activation
+
+        def wrapper(*args, **kwargs):
+            if _graph() is not outer_graph:
+                raise ControlFlowError(
+                    f"Layer {layer.name!r} ({type(layer).__name__}) was called inside a loop or "
+                    "another nested graph, where pergrad cannot record it. Wrap the loop in its "
+                    "own Layer so that the generic rule treats it as one unit."
+                )
+            record = LayerCall(layer, args, kwargs, None)
+            if rule is not None and rule.check_call is not None:
+                rule.check_call(layer, record)
+            activation = getattr(layer, "activation", None) if split else None
+            if activation is not None:
+                object.__setattr__(layer, "activation", None)
+                try:
+                    tapped = original(*args, **kwargs)
+                finally:
+                    object.__setattr__(layer, "activation", activation)
+                outputs = activation(tapped)
+            else:
+                tapped = outputs = original(*args, **kwargs)
+            calls.setdefault(id(layer), []).append(LayerCall(layer, args, kwargs, tapped))
+            return outputs
+
+        had_own = "call" in layer.__dict__
+        object.__setattr__(layer, "call", wrapper)
+        patched.append((layer, had_own, original))
+
+    try:
+        for layer, rule in plan.ruled:
+            install(layer, rule)
+        for layer in plan.generic:
+            install(layer, None)
+        yield calls
+    finally:
+        for layer, had_own, original in reversed(patched):
+            if had_own:
+                object.__setattr__(layer, "call", original)
+            else:
+                object.__delattr__(layer, "call")

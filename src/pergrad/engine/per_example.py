@@ -1,0 +1,183 @@
+"""``PerExample``: compiled per-example gradients, norms, dot products and clipped sums."""
+
+from __future__ import annotations
+
+import collections
+import math
+from typing import Any
+
+import keras
+import numpy as np
+import tensorflow as tf
+
+from pergrad.engine.losses import per_example_loss
+from pergrad.engine.plan import Plan, make_plan
+from pergrad.engine.result import PerExampleResult
+from pergrad.engine.strategies import STRATEGIES, run
+
+
+def _to_tensors(structure):
+    def convert(leaf):
+        if leaf is None or isinstance(leaf, (tf.Tensor, tf.Variable)):
+            return leaf
+        return tf.convert_to_tensor(np.asarray(leaf) if not np.isscalar(leaf) else leaf)
+    return tf.nest.map_structure(convert, structure)
+
+
+def _batch_size(x) -> int:
+    first = tf.nest.flatten(x)[0]
+    return int(first.shape[0])
+
+
+def _slice(structure, start: int, stop: int):
+    return tf.nest.map_structure(lambda t: None if t is None else t[start:stop], structure)
+
+
+class PerExample:
+    """Per-example gradients of a Keras 3 model's loss, in one forward and one backward pass.
+
+    For a batch ``(x_i, y_i, w_i)`` and per-example loss ``l_i = w_i * loss(y_i, model(x_i))``
+    this computes ``g_i = d l_i / d theta`` for every trainable variable ``theta``, or quantities of
+    them (norms, dot products, clipped sums) without ever forming all ``g_i`` when a layer's rule
+    makes that unnecessary.
+
+    Args:
+        model: any Keras 3 model (Sequential, Functional, subclassed, nested).
+        loss: a Keras loss object or name, a callable ``(y_true, y_pred) -> (B,)``, a list/dict of
+            those per output, or ``None`` if the model outputs per-example losses itself.
+        strategy: ``"auto"`` (layer rules, generic fallback), ``"vmap"``, ``"jacobian"`` or
+            ``"loop"``; all give the same numbers.
+        memory_budget_bytes: when ``gradients`` would hold more than this many bytes of
+            ``B x P`` floats, it runs in chunks of examples (same results).
+        jit_compile: compile the computations with XLA.
+        training: the ``training`` flag the model is called with (dropout masks then differ per
+            call; BatchNormalization in training mode is refused).
+
+    Regularization losses (``model.losses``) belong to no example and are not included; add
+    their gradient once to whatever you aggregate (``pergrad.keras.PerExampleModel`` does).
+    """
+
+    def __init__(self, model: keras.Model, loss: Any, strategy: str = "auto",
+                 memory_budget_bytes: int | None = None, jit_compile: bool = False, *,
+                 training: bool = False) -> None:
+        if strategy not in STRATEGIES:
+            raise ValueError(f"strategy must be one of {STRATEGIES}, got {strategy!r}.")
+        if memory_budget_bytes is not None and memory_budget_bytes <= 0:
+            raise ValueError(f"memory_budget_bytes must be positive, got {memory_budget_bytes}.")
+        if not isinstance(model, keras.layers.Layer):
+            raise TypeError(f"model must be a Keras model or layer, got {type(model).__name__}.")
+        self.model = model
+        self.loss = loss
+        self.strategy = strategy
+        self.memory_budget_bytes = memory_budget_bytes
+        self.jit_compile = jit_compile
+        self.training = training
+        self.trace_counts: collections.Counter[str] = collections.Counter()
+        self._loss_fn = per_example_loss(loss)
+        self._plan: Plan | None = None
+        self._compiled: dict[str, Any] = {}
+        self._warned: set[int] = set()
+
+    # -- traceable core -------------------------------------------------------------------------
+    @property
+    def plan(self) -> Plan:
+        """Which layers use a rule, which the generic rule, and which variables are residual."""
+        if self._plan is None:
+            if not self.model.built:
+                raise ValueError("The model is not built yet; call it on a batch first.")
+            self._plan = make_plan(self.model)
+        return self._plan
+
+    def compute(self, x, y=None, sample_weight=None) -> PerExampleResult:
+        """The traceable core: a :class:`PerExampleResult` for one batch.
+
+        Call it inside your own ``tf.function`` (a custom training step); the public methods
+        below are compiled wrappers around it.
+        """
+        return run(self.strategy, self.model, self.plan, self._loss_fn, x, y, sample_weight,
+                   self.training, self._warned)
+
+    # -- compiled public methods ----------------------------------------------------------------
+    def _function(self, name: str, body):
+        if name not in self._compiled:
+            def traced(*args):
+                self.trace_counts[name] += 1
+                return body(*args)
+            self._compiled[name] = tf.function(traced, jit_compile=self.jit_compile,
+                                               reduce_retracing=True)
+        return self._compiled[name]
+
+    def _prepare(self, x, y, sample_weight):
+        x, y, sample_weight = _to_tensors(x), _to_tensors(y), _to_tensors(sample_weight)
+        if not self.model.built:
+            self.model(_slice(x, 0, 1))
+        batch = _batch_size(x)
+        if sample_weight is not None and int(sample_weight.shape[0]) != batch:
+            raise ValueError(f"sample_weight has {sample_weight.shape[0]} entries for a batch "
+                             f"of {batch}.")
+        return x, y, sample_weight
+
+    def gradients(self, x, y=None, sample_weight=None) -> list[tf.Tensor]:
+        """``g_i`` per trainable variable, each ``(B, *var.shape)``, aligned with
+        ``model.trainable_variables``."""
+        x, y, sample_weight = self._prepare(x, y, sample_weight)
+        fn = self._function("gradients",
+                            lambda x, y, w: self.compute(x, y, w).gradients())
+        batch = _batch_size(x)
+        chunk = self._chunk_size(batch)
+        if chunk >= batch:
+            return fn(x, y, sample_weight)
+        parts = [fn(_slice(x, s, s + chunk), _slice(y, s, s + chunk),
+                    _slice(sample_weight, s, s + chunk)) for s in range(0, batch, chunk)]
+        return [tf.concat(list(p), axis=0) for p in zip(*parts, strict=True)]
+
+    def _chunk_size(self, batch: int) -> int:
+        if self.memory_budget_bytes is None:
+            return batch
+        per_example = sum(math.prod(v.shape) * np.dtype(v.dtype).itemsize
+                          for v in self.model.trainable_variables)
+        return max(1, min(batch, self.memory_budget_bytes // max(per_example, 1)))
+
+    def norms(self, x, y=None, sample_weight=None) -> tf.Tensor:
+        """``||g_i||``, the L2 norm of each example's whole gradient, ``(B,)``."""
+        x, y, sample_weight = self._prepare(x, y, sample_weight)
+        return self._function("norms", lambda x, y, w: self.compute(x, y, w).norms())(
+            x, y, sample_weight)
+
+    def losses(self, x, y=None, sample_weight=None) -> tf.Tensor:
+        """``l_i``, the per-example losses (sample weights applied), ``(B,)``."""
+        x, y, sample_weight = self._prepare(x, y, sample_weight)
+
+        def body(x, y, w):
+            from pergrad.engine.strategies import _weighted
+            return _weighted(self._loss_fn(y, self.model(x, training=self.training)), w)
+
+        return self._function("losses", body)(x, y, sample_weight)
+
+    def dot(self, x, y, vectors: list, sample_weight=None) -> tf.Tensor:
+        """``<g_i, v>`` for ``vectors`` aligned with ``model.trainable_variables``, ``(B,)``."""
+        x, y, sample_weight = self._prepare(x, y, sample_weight)
+        vectors = [tf.convert_to_tensor(v) for v in vectors]
+        return self._function("dot", lambda x, y, w, v: self.compute(x, y, w).dot(v))(
+            x, y, sample_weight, vectors)
+
+    def clipped_sum(self, x, y, l2_norm_clip: float, sample_weight=None
+                    ) -> tuple[list[tf.Tensor], tf.Tensor]:
+        """``(sum_i min(1, C / ||g_i||) g_i per variable, ||g_i||)`` for ``C = l2_norm_clip``."""
+        if not l2_norm_clip > 0:
+            raise ValueError(f"l2_norm_clip must be > 0, got {l2_norm_clip}.")
+        x, y, sample_weight = self._prepare(x, y, sample_weight)
+
+        def body(x, y, w, clip):
+            result = self.compute(x, y, w)
+            norms = result.norms()
+            return result.weighted_sum(clip_factors(norms, clip)), norms
+
+        return self._function("clipped_sum", body)(
+            x, y, sample_weight, tf.constant(l2_norm_clip, tf.float64))
+
+
+def clip_factors(norms: tf.Tensor, l2_norm_clip) -> tf.Tensor:
+    """``min(1, C / ||g_i||)``, with 1 for a zero gradient."""
+    clip = tf.cast(l2_norm_clip, norms.dtype)
+    return tf.minimum(tf.ones_like(norms), clip / tf.maximum(norms, tf.cast(1e-30, norms.dtype)))

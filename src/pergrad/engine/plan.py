@@ -1,0 +1,83 @@
+"""Which layers the engine taps, and how.
+
+Walking the model from the top, each layer with trainable weights is either
+
+* **ruled**: its class has a rule (:mod:`pergrad.rules`); its calls are recorded and the rule turns
+  them into gradient forms;
+* **generic**: it owns weights directly, has no rule, or is a wrapper that runs its sublayers in a
+  loop or on reshaped batches (RNN, Bidirectional, TimeDistributed); its per-example gradients are
+  per-example VJPs of that layer alone;
+* **descended**: a container (a model, MultiHeadAttention, a user's block of layers) that owns no
+  weights itself; its sublayers are planned in turn.
+
+Trainable variables the top-level model owns directly (``self.add_weight`` in a subclassed model)
+belong to no tapped layer: they are *residual*, and get per-example gradients from a vectorized
+Jacobian of the per-example losses.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import keras
+
+from pergrad.rules import Rule, find_rule
+
+_OPAQUE = (keras.layers.RNN, keras.layers.Bidirectional, keras.layers.TimeDistributed)
+
+
+@dataclass
+class Plan:
+    ruled: list[tuple[Any, Rule]] = field(default_factory=list)
+    generic: list[Any] = field(default_factory=list)
+    residual: list[Any] = field(default_factory=list)
+
+    @property
+    def tapped_layers(self) -> list[Any]:
+        return [layer for layer, _ in self.ruled] + list(self.generic)
+
+    def describe(self) -> list[tuple[str, str, str]]:
+        """``(layer name, class, how)`` for every tapped layer and residual variable."""
+        rows = [(layer.name, type(layer).__name__, "rule") for layer, _ in self.ruled]
+        rows += [(layer.name, type(layer).__name__, "generic") for layer in self.generic]
+        rows += [(v.path, "Variable", "residual") for v in self.residual]
+        return rows
+
+
+def _own_trainable(layer) -> list:
+    return [v for v in getattr(layer, "_trainable_variables", []) if v.trainable]
+
+
+def _sublayers(layer) -> list:
+    return layer._flatten_layers(include_self=False, recursive=False)
+
+
+def make_plan(model) -> Plan:
+    """Plan the taps of a built Keras model (see the module docstring)."""
+    plan = Plan()
+    seen: set[int] = set()
+
+    def visit(layer, top: bool) -> None:
+        if id(layer) in seen or not layer.trainable_variables:
+            return
+        seen.add(id(layer))
+        rule = find_rule(layer)
+        if rule is not None:
+            plan.ruled.append((layer, rule))
+        elif top:
+            plan.residual.extend(_own_trainable(layer))
+            for sub in _sublayers(layer):
+                visit(sub, top=False)
+        elif isinstance(layer, _OPAQUE) or _own_trainable(layer) or not _sublayers(layer):
+            plan.generic.append(layer)
+        else:
+            for sub in _sublayers(layer):
+                visit(sub, top=False)
+
+    visit(model, top=True)
+    covered = {id(v) for layer in plan.tapped_layers for v in layer.trainable_variables}
+    covered |= {id(v) for v in plan.residual}
+    # A variable reached only through a non-layer attribute of the model is residual too.
+    plan.residual += [v for v in model.trainable_variables if id(v) not in covered]
+    return plan

@@ -1,0 +1,339 @@
+"""Reusable compiled Jacobians and Hessians: `jacobian`, `jacfwd`, `jacrev`, `hessian`."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Hashable
+from typing import Any
+
+import keras
+import tensorflow as tf
+
+from pergrad.jacobian._call import (
+    Argnums,
+    diff_positions,
+    make_caller,
+    normalize_argnums,
+    split_args,
+)
+from pergrad.jacobian._compile import ShapeDispatch, Traced, structural_key
+from pergrad.jacobian._modes import (
+    MODES,
+    choose_mode,
+    hessian_fwd_over_rev,
+    jacobian_fwd,
+    jacobian_rev,
+    output_sizes,
+)
+from pergrad.jacobian._structure import (
+    leaf_paths,
+    num_elements,
+    static_shape,
+    to_tensor,
+)
+
+
+def _check_chunk_size(chunk_size: int | None, what: str) -> int | None:
+    if chunk_size is None:
+        return None
+    if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size <= 0:
+        raise ValueError(
+            f"{what}: chunk_size must be a positive integer (the most JVPs/VJPs vectorized at "
+            f"once) or None for no chunking, got {chunk_size!r}."
+        )
+    return chunk_size
+
+
+def _diff_paths(args: tuple, argnums: int | tuple[int, ...] | None) -> list[str]:
+    """Leaf paths of the differentiated structure, named by positional argument."""
+    positions = diff_positions(argnums, len(args), "jacobian")
+    return [p for pos in positions for p in leaf_paths(args[pos], f"args[{pos}]")]
+
+
+class _CompiledDerivative:
+    """Shared machinery: argument checks, structural dispatch, trace counting."""
+
+    _what = "derivative"
+
+    def __init__(
+        self,
+        f: Callable[..., Any],
+        *,
+        argnums: Argnums,
+        batched: bool,
+        chunk_size: int | None,
+        jit_compile: bool,
+        training: bool,
+        input_signature: Any,
+    ) -> None:
+        what = self._what
+        self.f = f
+        self.batched = bool(batched)
+        self.chunk_size = _check_chunk_size(chunk_size, what)
+        self.jit_compile = bool(jit_compile)
+        self.training = bool(training)
+        self.argnums = normalize_argnums(argnums, what)
+        self._call_f = make_caller(f, self.training, what)
+        self._last_key: Hashable | None = None
+        self._dispatch = ShapeDispatch(
+            self._build, name=what, batched=self.batched, jit_compile=self.jit_compile
+        )
+        self.input_signature = input_signature
+        self._signature_fn: Traced | None = None
+        if input_signature is not None:
+            self._signature_fn = Traced(
+                self._build("input_signature"),
+                name=what,
+                jit_compile=self.jit_compile,
+                input_signature=input_signature,
+            )
+
+    @property
+    def trace_count(self) -> int:
+        """Number of times TensorFlow traced this object's computation (all signatures)."""
+        n = self._dispatch.trace_count
+        return n + (self._signature_fn.trace_count if self._signature_fn else 0)
+
+    # -- call path ------------------------------------------------------------------------
+
+    def __call__(self, *args: Any) -> Any:
+        what = self._what
+        positions = diff_positions(self.argnums, len(args), what)
+        args = list(args)
+        for pos in positions:
+            paths = leaf_paths(args[pos], f"args[{pos}]")
+            leaves = tf.nest.flatten(args[pos])
+            converted = [to_tensor(leaf, p, what) for leaf, p in zip(leaves, paths, strict=True)]
+            for leaf, p in zip(converted, paths, strict=True):
+                if isinstance(leaf, tf.Variable):
+                    raise TypeError(
+                        f"{what}: {p} is a tf.Variable; this transform differentiates with "
+                        "respect to tensor arguments. Pass tf.convert_to_tensor(v) and use it "
+                        "inside f, or use pergrad.jacobian.jvp/vjp/hvp, which accept variables."
+                    )
+            args[pos] = tf.nest.pack_sequence_as(args[pos], converted)
+        args = tuple(args)
+        if self.batched:
+            self._check_batch(args, positions)
+        self._maybe_build(args)
+        if self._signature_fn is not None:
+            self._last_key = "input_signature"
+            return self._signature_fn(*args)
+        key = structural_key(args, self.batched)
+        self._last_key = key
+        return self._dispatch(key, *args)
+
+    def _check_batch(self, args: tuple, positions: list[int]) -> None:
+        what = self._what
+        first: tuple[str, int] | None = None
+        for pos in positions:
+            for leaf, path in zip(
+                tf.nest.flatten(args[pos]), leaf_paths(args[pos], f"args[{pos}]"), strict=True
+            ):
+                if leaf.shape.rank == 0:
+                    raise ValueError(
+                        f"{what}: batched=True but input {path} is a scalar; every "
+                        "differentiated input needs a leading batch dimension."
+                    )
+                size = leaf.shape[0]
+                if first is None:
+                    first = (path, size)
+                elif size is not None and first[1] is not None and size != first[1]:
+                    raise ValueError(
+                        f"{what}: batched=True needs every differentiated input to share the "
+                        f"leading batch dimension, but {first[0]} has batch size {first[1]} "
+                        f"and {path} has {size}. Pass inputs of equal batch size, or use "
+                        "batched=False for the full Jacobian."
+                    )
+
+    def _maybe_build(self, args: tuple) -> None:
+        """Builds an unbuilt Keras model eagerly once, so no variable is created in a trace."""
+        f = self.f
+        if isinstance(f, keras.Layer) and not f.built:
+            f(*args, training=False)
+
+    def _build(self, key: Hashable) -> Callable[..., Any]:
+        def run(*args: Any) -> Any:
+            diff, rebuild = split_args(args, self.argnums)
+            x_paths = _diff_paths(args, self.argnums)
+
+            def fn(d: Any) -> Any:
+                return self._call_f(*rebuild(d))
+
+            return self._compute(fn, diff, x_paths, key)
+
+        return run
+
+    def _compute(self, fn: Callable[[Any], Any], x: Any, x_paths: list[str], key: Hashable) -> Any:
+        raise NotImplementedError
+
+
+class Jacobian(_CompiledDerivative):
+    """A compiled Jacobian of f. Create with `jacobian`; call with f's positional arguments.
+
+    Attributes:
+      mode_requested: "auto", "rev" or "fwd", as passed.
+      mode: the mode used for the latest call's signature ("rev" or "fwd"); with
+        ``mode="auto"`` it is None until the first call.
+      trace_count: how many times TensorFlow traced the computation.
+    """
+
+    _what = "jacobian"
+
+    def __init__(self, f: Callable[..., Any], *, mode: str = "auto", **kwargs: Any) -> None:
+        if mode not in MODES:
+            raise ValueError(
+                f"jacobian: mode must be one of {', '.join(repr(m) for m in MODES)}, got "
+                f"{mode!r}. Use 'rev' for few outputs, 'fwd' for few inputs, 'auto' to choose."
+            )
+        self.mode_requested = mode
+        self._mode_by_key: dict[Hashable, str] = {}
+        super().__init__(f, **kwargs)
+
+    @property
+    def mode(self) -> str | None:
+        if self.mode_requested != "auto":
+            return self.mode_requested
+        return self._mode_by_key.get(self._last_key)
+
+    def _compute(self, fn: Callable[[Any], Any], x: Any, x_paths: list[str], key: Hashable) -> Any:
+        mode = self.mode_requested
+        if mode == "auto":
+            n_in = sum(
+                num_elements(static_shape(t, p, batched=self.batched, what="jacobian"))
+                for t, p in zip(tf.nest.flatten(x), x_paths, strict=True)
+            )
+            n_out = output_sizes(fn, x, batched=self.batched, what="jacobian")
+            mode = choose_mode(n_in, n_out)
+        self._mode_by_key[key] = mode
+        impl = jacobian_rev if mode == "rev" else jacobian_fwd
+        return impl(fn, x, batched=self.batched, chunk_size=self.chunk_size, x_paths=x_paths)
+
+    def __repr__(self) -> str:
+        return (
+            f"<pergrad Jacobian of {getattr(self.f, '__name__', type(self.f).__name__)}: "
+            f"mode={self.mode_requested!r} (used: {self.mode!r}), batched={self.batched}, "
+            f"chunk_size={self.chunk_size}, traces={self.trace_count}>"
+        )
+
+
+class Hessian(_CompiledDerivative):
+    """A compiled Hessian of a scalar f (forward-over-reverse). Create with `hessian`."""
+
+    _what = "hessian"
+
+    def _compute(self, fn: Callable[[Any], Any], x: Any, x_paths: list[str], key: Hashable) -> Any:
+        return hessian_fwd_over_rev(
+            fn, x, batched=self.batched, chunk_size=self.chunk_size, x_paths=x_paths
+        )
+
+
+def jacobian(
+    f: Callable[..., Any],
+    mode: str = "auto",
+    batched: bool = False,
+    chunk_size: int | None = None,
+    jit_compile: bool = False,
+    *,
+    argnums: Argnums = None,
+    training: bool = False,
+    input_signature: Any = None,
+) -> Jacobian:
+    """Returns a compiled function computing the Jacobian of f.
+
+    For f mapping inputs x (a tensor or nested structure; several positional arguments are
+    one tuple-shaped structure) to outputs y (likewise), ``jacobian(f)(*args)`` returns
+    J with ``J[k][l] = d y_k / d x_l`` of shape (*shape(y_k), *shape(x_l)), nested like JAX:
+    outputs outer, inputs inner (a single tensor when both are single tensors).
+
+    Args:
+      f: a Keras model or layer (called with ``training=training``), or a function of TF ops.
+      mode: ``"rev"`` (one VJP u^T J per output element, vectorized), ``"fwd"`` (one JVP J t
+        per input element with `tf.autodiff.ForwardAccumulator`, vectorized), or ``"auto"``:
+        forward mode iff the inputs have fewer elements than the outputs (per example when
+        batched). The choice is `Jacobian.mode` after the first call.
+      batched: f maps a batch to a batch with independent examples; returns per-example
+        Jacobians of shape (B, *ex(y_k), *ex(x_l)), where ex() drops the batch dimension,
+        at the vectorized width of one example's Jacobian (like ``batch_jacobian``).
+      chunk_size: at most this many JVPs/VJPs are vectorized at once (bounds memory; each
+        one covers the whole batch when batched); results are identical.
+      jit_compile: compile with XLA.
+      argnums: differentiate with respect to these positional arguments only (JAX
+        convention); None means all of them. Others are passed through (tensors or Python
+        values; a new Python value retraces).
+      training: passed to Keras layers and models; True turns on dropout and BatchNorm's batch
+        statistics. Not allowed for plain functions.
+      input_signature: optional `tf.TensorSpec` list for the positional arguments, as for
+        `tf.function`; it must fix every dimension (all but the batch one when batched).
+
+    Returns:
+      A `Jacobian`: call it with f's positional arguments. It is traced once per input
+      signature (nesting, dtypes and shapes; with batched=True, a new batch size retraces at
+      most once) and reused for every later call.
+    """
+    return Jacobian(
+        f,
+        mode=mode,
+        argnums=argnums,
+        batched=batched,
+        chunk_size=chunk_size,
+        jit_compile=jit_compile,
+        training=training,
+        input_signature=input_signature,
+    )
+
+
+def jacfwd(
+    f: Callable[..., Any],
+    batched: bool = False,
+    chunk_size: int | None = None,
+    jit_compile: bool = False,
+    **kwargs: Any,
+) -> Jacobian:
+    """`jacobian` with ``mode="fwd"``: columns J e_i by forward mode (few inputs, many outputs)."""
+    return jacobian(f, "fwd", batched, chunk_size, jit_compile, **kwargs)
+
+
+def jacrev(
+    f: Callable[..., Any],
+    batched: bool = False,
+    chunk_size: int | None = None,
+    jit_compile: bool = False,
+    **kwargs: Any,
+) -> Jacobian:
+    """`jacobian` with ``mode="rev"``: rows e_j^T J by reverse mode (few outputs, many inputs)."""
+    return jacobian(f, "rev", batched, chunk_size, jit_compile, **kwargs)
+
+
+def hessian(
+    f: Callable[..., Any],
+    batched: bool = False,
+    chunk_size: int | None = None,
+    jit_compile: bool = False,
+    *,
+    argnums: Argnums = None,
+    training: bool = False,
+    input_signature: Any = None,
+) -> Hessian:
+    """Returns a compiled function computing the Hessian of a scalar f.
+
+    ``hessian(f)(*args)`` returns H with ``H[l1][l2] = d^2 f / dx_l1 dx_l2`` of shape
+    (*shape(x_l1), *shape(x_l2)), nested like the inputs twice (outer l1, inner l2). Column i
+    is the Hessian-vector product H e_i, computed forward-over-reverse (a forward-mode
+    derivative of the gradient) and vectorized over i.
+
+    With ``batched=True``, f returns one scalar per example (shape (B,)) and the result is
+    every example's Hessian, shape (B, *ex(x_l1), *ex(x_l2)), at the cost of one example's
+    width. Other arguments are as for `jacobian`.
+    """
+    return Hessian(
+        f,
+        argnums=argnums,
+        batched=batched,
+        chunk_size=chunk_size,
+        jit_compile=jit_compile,
+        training=training,
+        input_signature=input_signature,
+    )
+
+
+__all__ = ["Hessian", "Jacobian", "hessian", "jacfwd", "jacobian", "jacrev"]

@@ -1,0 +1,78 @@
+"""Layer rules: one module per layer family, each turning a recorded call into gradient forms.
+
+A rule is registered for a Keras layer class with :func:`register`. The engine calls it once per
+call of a layer, after the single backward pass, as ``rule.fn(layer, call, output_grad)`` where
+``call.inputs`` is what the layer's ``call`` received and ``output_grad`` is the gradient of the
+summed loss at the layer's output (at the pre-activation when ``rule.splits_activation``). Row
+``i`` of that gradient belongs to example ``i`` alone. The rule returns one form per trainable
+variable (see :mod:`pergrad.rules.forms`).
+
+A rule applies only to layers whose ``call`` is the registered class's own: a subclass that
+overrides ``call`` computes something else and gets the generic rule instead.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from pergrad.rules.forms import Factored, Form, Materialized, Rows, combine, unbroadcast
+
+
+@dataclass(frozen=True)
+class LayerCall:
+    """One call of an intercepted layer: its arguments and the tensor(s) the engine taps."""
+
+    layer: Any
+    args: tuple
+    kwargs: dict
+    tapped: Any
+
+
+@dataclass(frozen=True)
+class Rule:
+    fn: Callable[[Any, LayerCall, Any], list[Form]]
+    layer_class: type
+    splits_activation: bool = False
+    check_call: Callable[[Any, LayerCall], None] | None = None
+    applies: Callable[[Any], bool] | None = None
+
+
+_RULES: dict[type, Rule] = {}
+
+
+def register(layer_class: type, *, splits_activation: bool = False,
+             check_call: Callable | None = None, applies: Callable | None = None):
+    """Register ``fn(layer, call, output_grad) -> list[Form]`` as the rule for ``layer_class``."""
+
+    def decorate(fn):
+        _RULES[layer_class] = Rule(fn, layer_class, splits_activation, check_call, applies)
+        return fn
+
+    return decorate
+
+
+def find_rule(layer: Any) -> Rule | None:
+    """The rule for ``layer``, or ``None`` when it must take the generic rule."""
+    for cls in type(layer).__mro__:
+        rule = _RULES.get(cls)
+        if rule is None:
+            continue
+        if type(layer).call is not cls.call:
+            return None
+        if rule.applies is not None and not rule.applies(layer):
+            return None
+        return rule
+    return None
+
+
+def registered_layer_classes() -> list[type]:
+    return list(_RULES)
+
+
+# Importing the rule modules registers them.
+from pergrad.rules import conv, dense, einsum_dense, embedding, normalization  # noqa: E402,F401
+
+__all__ = ["Factored", "Form", "LayerCall", "Materialized", "Rows", "Rule", "combine",
+           "find_rule", "register", "registered_layer_classes", "unbroadcast"]

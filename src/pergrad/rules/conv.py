@@ -1,0 +1,87 @@
+"""Conv1D / Conv2D / Conv3D: any strides, dilation, ``valid``/``same``/``causal`` padding, groups,
+``channels_last`` and ``channels_first``.
+
+With ``P_i[t, G, K, c]`` the input patch that output position ``t`` of example ``i`` sees (kernel
+offset ``K``, channel ``c`` of group ``G``) and ``D_i[t, G, o]`` the gradient at the pre-activation
+output,
+
+    dL_i/dW[K, c, G*o] = sum_t P_i[t, G, K, c] D_i[t, G, o]        dL_i/db = sum_t D_i[t]
+
+a ``Factored`` form with ``A = P`` (patches gathered with strided slices, one per kernel offset,
+so there is no ``Conv2DBackpropFilter`` to vectorize).
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import keras
+import tensorflow as tf
+
+from pergrad.rules import LayerCall, register
+from pergrad.rules.forms import Factored, Materialized
+
+
+def _padding_and_size(n: int, k: int, s: int, d: int, padding: str) -> tuple[int, int, int]:
+    """(pad_before, pad_after, output size) of one spatial axis, as TensorFlow computes them."""
+    span = (k - 1) * d + 1
+    if padding == "same":
+        out = -(-n // s)
+        total = max((out - 1) * s + span - n, 0)
+        return total // 2, total - total // 2, out
+    if padding == "causal":
+        return span - 1, 0, (n + span - 1 - span) // s + 1
+    return 0, 0, (n - span) // s + 1
+
+
+def extract_patches(x: tf.Tensor, kernel_size, strides, dilation, padding: str) -> tf.Tensor:
+    """Patches of channels-last ``x``: ``(B, out_1, ..., out_n, K, C)``, ``K`` in kernel order."""
+    spatial = x.shape[1:-1]
+    geometry = [_padding_and_size(int(n), k, s, d, padding)
+                for n, k, s, d in zip(spatial, kernel_size, strides, dilation, strict=True)]
+    if any(before or after for before, after, _ in geometry):
+        x = tf.pad(x, [[0, 0], *[[b, a] for b, a, _ in geometry], [0, 0]])
+    slices = []
+    for offset in itertools.product(*[range(k) for k in kernel_size]):
+        begin = [0, *[o * d for o, d in zip(offset, dilation, strict=True)], 0]
+        end = [0, *[o * d + (out - 1) * s + 1 for o, d, s, (_, _, out)
+                    in zip(offset, dilation, strides, geometry, strict=True)], 0]
+        slices.append(tf.strided_slice(x, begin, end, [1, *strides, 1],
+                                       begin_mask=1 | (1 << (len(spatial) + 1)),
+                                       end_mask=1 | (1 << (len(spatial) + 1))))
+    return tf.stack(slices, axis=-2)
+
+
+def _channels_last(t: tf.Tensor, data_format: str) -> tf.Tensor:
+    if data_format == "channels_last":
+        return t
+    rank = t.shape.rank
+    return tf.transpose(t, [0, *range(2, rank), 1])
+
+
+def conv_rule(layer, call: LayerCall, grad: tf.Tensor) -> list:
+    dtype = layer.kernel.dtype
+    x = _channels_last(tf.cast(call.args[0], dtype), layer.data_format)
+    d = _channels_last(tf.cast(grad, dtype), layer.data_format)
+    groups = layer.groups
+    c_in, c_out = x.shape[-1], layer.filters
+    patches = extract_patches(x, layer.kernel_size, layer.strides, layer.dilation_rate,
+                              layer.padding)
+    batch = tf.shape(x)[0]
+    k = patches.shape[-2]
+    a = tf.reshape(patches, [batch, -1, k, groups, c_in // groups])
+    a = tf.reshape(tf.transpose(a, [0, 1, 3, 2, 4]), [batch, -1, groups, k * (c_in // groups)])
+    dd = tf.reshape(d, [batch, -1, groups, c_out // groups])
+    natural = (*layer.kernel_size, c_in // groups, groups, c_out // groups)
+    forms = [Factored(layer.kernel, a, dd, natural)]
+    if layer.use_bias:
+        forms.append(Materialized(layer.bias, tf.reduce_sum(tf.reshape(d, [batch, -1, c_out]), 1)))
+    return forms
+
+
+def _plain(layer) -> bool:
+    return not getattr(layer, "lora_enabled", False)
+
+
+for _cls in (keras.layers.Conv1D, keras.layers.Conv2D, keras.layers.Conv3D):
+    register(_cls, splits_activation=True, applies=_plain)(conv_rule)

@@ -1,0 +1,33 @@
+"""Dense: ``z = x W + b`` on inputs ``(B, ..., d_in)``.
+
+For example ``i`` with positions ``t`` (all axes between batch and features),
+
+    dL_i/dW = sum_t x_{i,t}^T dL/dz_{i,t}        dL_i/db = sum_t dL/dz_{i,t}
+
+so the kernel is ``Factored`` with ``A = x`` and ``D = dL/dz`` (one group).
+"""
+
+from __future__ import annotations
+
+import keras
+import tensorflow as tf
+
+from pergrad.rules import LayerCall, register
+from pergrad.rules.forms import Factored, Materialized, unbroadcast
+
+
+def _plain(layer) -> bool:
+    return not getattr(layer, "lora_enabled", False) and not getattr(layer, "quantization_mode", None)
+
+
+@register(keras.layers.Dense, splits_activation=True, applies=_plain)
+def dense_rule(layer, call: LayerCall, grad: tf.Tensor) -> list:
+    x = tf.cast(call.args[0], layer.kernel.dtype)
+    d = tf.cast(grad, layer.kernel.dtype)
+    d_in, d_out = layer.kernel.shape
+    batch = tf.shape(x)[0]
+    a = tf.reshape(x, [batch, -1, 1, d_in])
+    forms = [Factored(layer.kernel, a, tf.reshape(d, [batch, -1, 1, d_out]), (d_in, d_out))]
+    if layer.bias is not None:
+        forms.append(Materialized(layer.bias, unbroadcast(d, tuple(layer.bias.shape))))
+    return forms

@@ -1,0 +1,232 @@
+"""The shapes a per-example gradient can take before it is materialized.
+
+A rule never returns a ``(B, *var.shape)`` tensor unless that is the cheapest honest form. It
+returns one of three *forms*, each of which knows how to compute, for its variable ``W`` and every
+example ``i`` of the batch:
+
+* ``materialize()``     -> ``g_i``                   shape ``(B, *W.shape)``
+* ``squared_norms()``   -> ``||g_i||^2``             shape ``(B,)``
+* ``dots(V)``           -> ``<g_i, V>``              shape ``(B,)``
+* ``weighted_sum(c)``   -> ``sum_i c_i g_i``         shape ``W.shape``
+
+The forms:
+
+``Factored``
+    ``g_i[I, G, O] = sum_t A_i[t, G, I] D_i[t, G, O]``: a sum of outer products over ``T``
+    positions (sequence steps, pixels) in ``G`` independent groups. Dense, EinsumDense and
+    convolution kernels have this form, with ``A`` the layer input (or its patches) and ``D`` the
+    gradient at the layer's pre-activation output (Goodfellow 2015).
+``Materialized``
+    ``g_i`` itself, for small variables (biases, normalization scales) and the generic rule.
+``Rows``
+    ``g_i[n, :] = sum_t [ids_i[t] = n] D_i[t, :]``: an embedding table's gradient, nonzero only in
+    the rows an example looked up.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import tensorflow as tf
+
+
+def _static(dim: int | None) -> int | None:
+    return None if dim is None else int(dim)
+
+
+@dataclass
+class Factored:
+    """``g_i = sum_t A_i[t]^T D_i[t]`` per group, reshaped to the variable.
+
+    ``a``: ``(B, T, G, I)``; ``d``: ``(B, T, G, O)``. ``natural_shape`` is the variable's shape
+    with its axes ordered as ``(I-axes..., G-axes..., O-axes...)``; ``perm`` transposes that
+    natural layout into the variable's layout (``None`` for the identity), after which a reshape
+    to ``variable.shape`` is all that is left.
+    """
+
+    variable: object
+    a: tf.Tensor
+    d: tf.Tensor
+    natural_shape: tuple[int, ...]
+    perm: tuple[int, ...] | None = None
+
+    @property
+    def var_shape(self) -> tuple[int, ...]:
+        return tuple(self.variable.shape)
+
+    @property
+    def signature(self) -> tuple:
+        return ("factored", self.natural_shape, self.perm, tuple(self.a.shape[2:]),
+                tuple(self.d.shape[2:]))
+
+    def _to_variable_layout(self, m: tf.Tensor, batched: bool) -> tf.Tensor:
+        lead = [tf.shape(m)[0]] if batched else []
+        m = tf.reshape(m, lead + list(self.natural_shape))
+        if self.perm is not None:
+            offset = 1 if batched else 0
+            m = tf.transpose(m, ([0] if batched else []) + [p + offset for p in self.perm])
+        return tf.reshape(m, lead + list(self.var_shape))
+
+    def _from_variable_layout(self, v: tf.Tensor) -> tf.Tensor:
+        """Inverse of ``_to_variable_layout`` for one unbatched tensor, returned as (I, G, O)."""
+        if self.perm is not None:
+            permuted = [self.natural_shape[p] for p in self.perm]
+            v = tf.reshape(v, permuted)
+            inverse = [0] * len(self.perm)
+            for position, axis in enumerate(self.perm):
+                inverse[axis] = position
+            v = tf.transpose(v, inverse)
+        g, i, o = self.a.shape[2], self.a.shape[3], self.d.shape[3]
+        # natural order is (I..., G..., O...): reshape to (I, G, O)
+        return tf.reshape(v, [i, g, o])
+
+    def materialize(self) -> tf.Tensor:
+        m = tf.einsum("btgi,btgo->bigo", self.a, self.d)
+        return self._to_variable_layout(m, batched=True)
+
+    def squared_norms(self) -> tf.Tensor:
+        t, i, o = _static(self.a.shape[1]), _static(self.a.shape[3]), _static(self.d.shape[3])
+        if t == 1:
+            # ||a d^T||^2 = ||a||^2 ||d||^2 per group.
+            return tf.reduce_sum(
+                tf.reduce_sum(tf.square(self.a), [1, 3]) * tf.reduce_sum(tf.square(self.d), [1, 3]),
+                axis=1,
+            )
+        ghost_cost = math.inf if t is None else t * t * (i + o)
+        materialized_cost = math.inf if t is None else t * i * o
+        if ghost_cost < materialized_cost:
+            # ||sum_t a_t d_t^T||^2 = sum_{t,s} (a_t . a_s)(d_t . d_s)   (the Gram or "ghost" trick)
+            gram_a = tf.einsum("btgi,bsgi->bgts", self.a, self.a)
+            gram_d = tf.einsum("btgo,bsgo->bgts", self.d, self.d)
+            return tf.reduce_sum(gram_a * gram_d, axis=[1, 2, 3])
+        m = tf.einsum("btgi,btgo->bigo", self.a, self.d)
+        return tf.reduce_sum(tf.square(m), axis=[1, 2, 3])
+
+    def dots(self, vector: tf.Tensor) -> tf.Tensor:
+        v = self._from_variable_layout(tf.cast(vector, self.a.dtype))
+        av = tf.einsum("btgi,igo->btgo", self.a, v)
+        return tf.reduce_sum(av * self.d, axis=[1, 2, 3])
+
+    def weighted_sum(self, coefficients: tf.Tensor) -> tf.Tensor:
+        c = tf.cast(coefficients, self.a.dtype)[:, None, None, None]
+        m = tf.einsum("btgi,btgo->igo", self.a * c, self.d)
+        return self._to_variable_layout(m, batched=False)
+
+    def merged_with(self, other: Factored) -> Factored:
+        """Two calls of one layer: the sums over positions concatenate along ``T``."""
+        return Factored(self.variable, tf.concat([self.a, other.a], 1),
+                        tf.concat([self.d, other.d], 1), self.natural_shape, self.perm)
+
+
+@dataclass
+class Materialized:
+    """``g_i`` given explicitly, shape ``(B, *variable.shape)``."""
+
+    variable: object
+    value: tf.Tensor
+
+    signature = ("materialized",)
+
+    def materialize(self) -> tf.Tensor:
+        return self.value
+
+    def squared_norms(self) -> tf.Tensor:
+        flat = tf.reshape(self.value, [tf.shape(self.value)[0], -1])
+        return tf.reduce_sum(tf.square(flat), axis=1)
+
+    def dots(self, vector: tf.Tensor) -> tf.Tensor:
+        prod = self.value * tf.cast(vector, self.value.dtype)[None]
+        return tf.reduce_sum(tf.reshape(prod, [tf.shape(prod)[0], -1]), axis=1)
+
+    def weighted_sum(self, coefficients: tf.Tensor) -> tf.Tensor:
+        c = tf.cast(coefficients, self.value.dtype)
+        return tf.tensordot(c, self.value, axes=1)
+
+    def merged_with(self, other: Materialized) -> Materialized:
+        return Materialized(self.variable, self.value + other.value)
+
+
+@dataclass
+class Rows:
+    """An embedding table's gradient: ``g_i[n] = sum_t [ids_i[t] = n] D_i[t]``.
+
+    ``ids``: ``(B, T)`` integers; ``d``: ``(B, T, O)``; the table is ``(num_rows, O)``. Norms use
+    one segment sum over the distinct (example, row) pairs, so repeated ids within an example are
+    summed before squaring, as they must be.
+    """
+
+    variable: object
+    ids: tf.Tensor
+    d: tf.Tensor
+
+    signature = ("rows",)
+
+    @property
+    def num_rows(self) -> int:
+        return int(self.variable.shape[0])
+
+    def _example_row_keys(self) -> tf.Tensor:
+        batch = tf.shape(self.ids, out_type=tf.int64)[0]
+        example = tf.range(batch, dtype=tf.int64)[:, None]
+        return example * self.num_rows + tf.cast(self.ids, tf.int64)
+
+    def _flat_d(self) -> tf.Tensor:
+        return tf.reshape(self.d, [-1, self.d.shape[-1]])
+
+    def materialize(self) -> tf.Tensor:
+        batch = tf.shape(self.ids)[0]
+        keys = tf.reshape(self._example_row_keys(), [-1])
+        rows = tf.math.unsorted_segment_sum(self._flat_d(), keys,
+                                            tf.cast(batch, tf.int64) * self.num_rows)
+        return tf.reshape(rows, [batch, *self.variable.shape])
+
+    def squared_norms(self) -> tf.Tensor:
+        keys = tf.reshape(self._example_row_keys(), [-1])
+        unique_keys, position = tf.unique(keys)
+        rows = tf.math.unsorted_segment_sum(self._flat_d(), position, tf.size(unique_keys))
+        row_sq = tf.reduce_sum(tf.square(rows), axis=1)
+        example = unique_keys // self.num_rows
+        return tf.math.unsorted_segment_sum(row_sq, example, tf.cast(tf.shape(self.ids)[0], tf.int64))
+
+    def dots(self, vector: tf.Tensor) -> tf.Tensor:
+        looked_up = tf.gather(tf.cast(vector, self.d.dtype), self.ids)
+        return tf.reduce_sum(looked_up * self.d, axis=[1, 2])
+
+    def weighted_sum(self, coefficients: tf.Tensor) -> tf.Tensor:
+        c = tf.cast(coefficients, self.d.dtype)[:, None, None]
+        flat = tf.reshape(self.d * c, [-1, self.d.shape[-1]])
+        return tf.math.unsorted_segment_sum(flat, tf.reshape(self.ids, [-1]), self.num_rows)
+
+    def merged_with(self, other: Rows) -> Rows:
+        return Rows(self.variable, tf.concat([self.ids, other.ids], 1),
+                    tf.concat([self.d, other.d], 1))
+
+
+Form = Factored | Materialized | Rows
+
+
+def combine(forms: list[Form]) -> Form:
+    """The form of a variable used by several calls: merge like forms, else materialize and add."""
+    result = forms[0]
+    for form in forms[1:]:
+        if type(form) is type(result) and form.signature == result.signature:
+            result = result.merged_with(form)
+        else:
+            result = Materialized(result.variable, result.materialize() + form.materialize())
+    return result
+
+
+def unbroadcast(grad: tf.Tensor, shape: tuple[int, ...]) -> tf.Tensor:
+    """Per-example gradient of a parameter of ``shape`` added with broadcasting to ``grad``'s rows.
+
+    ``grad`` is ``(B, ...)``; leading non-batch axes beyond ``len(shape)`` and axes where the
+    parameter has size 1 are summed, giving ``(B, *shape)``.
+    """
+    extra = grad.shape.rank - 1 - len(shape)
+    if extra > 0:
+        grad = tf.reduce_sum(grad, axis=list(range(1, 1 + extra)))
+    keep = [i + 1 for i, n in enumerate(shape) if n == 1 and grad.shape[i + 1] != 1]
+    if keep:
+        grad = tf.reduce_sum(grad, axis=keep, keepdims=True)
+    return tf.reshape(grad, [tf.shape(grad)[0], *shape])

@@ -1,0 +1,102 @@
+"""LayerNormalization, RMSNormalization, GroupNormalization, BatchNormalization (inference).
+
+All three end in an affine map ``z = xhat * gamma + beta`` over their parameter axes, where
+``xhat`` is the normalized input. So
+
+    dL_i/dgamma = sum_{other axes} dL/dz_i * xhat_i        dL_i/dbeta = sum_{other axes} dL/dz_i
+
+materialized (these variables are small). ``xhat`` is recomputed by the layer itself with
+``gamma = 1`` and ``beta = 0`` (``stateless_call``), so epsilon, RMS scaling and moving statistics
+follow whatever the installed Keras does.
+
+BatchNormalization in training mode normalizes with the batch's own statistics: every example's
+output depends on every other example, per-example gradients do not exist, and the engine refuses it.
+"""
+
+from __future__ import annotations
+
+import keras
+import tensorflow as tf
+
+from pergrad.rules import LayerCall, register
+from pergrad.rules.forms import Materialized
+
+
+_RMS = (keras.layers.RMSNormalization,) if hasattr(keras.layers, "RMSNormalization") else ()
+
+
+class MixesExamplesError(ValueError):
+    """A layer couples the examples of a batch, so per-example gradients are not defined."""
+
+
+def _scale_and_offset(layer):
+    """The layer's ``gamma`` (``scale`` for RMSNormalization) and ``beta`` variables, or None."""
+    gamma = getattr(layer, "scale", None) if _is_rms(layer) else getattr(layer, "gamma", None)
+    return gamma, getattr(layer, "beta", None)
+
+
+def _is_rms(layer) -> bool:
+    return bool(_RMS) and isinstance(layer, _RMS)
+
+
+def _normalized(layer, call: LayerCall) -> tf.Tensor:
+    gamma, beta = _scale_and_offset(layer)
+    trainable = []
+    for v in layer.trainable_variables:
+        if v is gamma:
+            trainable.append(tf.ones(v.shape, v.dtype))
+        elif v is beta:
+            trainable.append(tf.zeros(v.shape, v.dtype))
+        else:
+            trainable.append(v.value)
+    non_trainable = [v.value for v in layer.non_trainable_variables]
+    out, _ = layer.stateless_call(trainable, non_trainable, *call.args, **call.kwargs)
+    return out
+
+
+def _param_axes(layer, rank: int) -> list[int]:
+    if isinstance(layer, (keras.layers.LayerNormalization, *_RMS)):
+        axes = layer.axis if isinstance(layer.axis, (list, tuple)) else [layer.axis]
+    else:
+        axes = [layer.axis]
+    return [a % rank for a in axes]
+
+
+def _per_example(layer, values: tf.Tensor, variable) -> tf.Tensor:
+    rank = values.shape.rank
+    axes = _param_axes(layer, rank)
+    summed = [a for a in range(1, rank) if a not in axes]
+    reduced = tf.reduce_sum(values, axis=summed) if summed else values
+    order = sorted(axes)
+    if order != axes:
+        reduced = tf.transpose(reduced, [0, *[1 + order.index(a) for a in axes]])
+    return tf.reshape(tf.cast(reduced, variable.dtype), [tf.shape(values)[0], *variable.shape])
+
+
+def normalization_rule(layer, call: LayerCall, grad: tf.Tensor) -> list:
+    forms = []
+    d = tf.cast(grad, layer.variable_dtype)
+    gamma, beta = _scale_and_offset(layer)
+    if gamma is not None and gamma.trainable:
+        xhat = tf.cast(_normalized(layer, call), layer.variable_dtype)
+        forms.append(Materialized(gamma, _per_example(layer, d * xhat, gamma)))
+    if beta is not None and beta.trainable and not getattr(layer, "rms_scaling", False):
+        forms.append(Materialized(beta, _per_example(layer, d, beta)))
+    return forms
+
+
+def _refuse_training_mode(layer, call: LayerCall) -> None:
+    if call.kwargs.get("training") and layer.trainable:
+        raise MixesExamplesError(
+            f"Layer {layer.name!r} is BatchNormalization in training mode: it normalizes each "
+            "example with statistics of the whole batch, so per-example gradients do not exist. "
+            "Use GroupNormalization or LayerNormalization instead, or freeze it "
+            f"(`model.get_layer({layer.name!r}).trainable = False`), or call with training=False."
+        )
+
+
+register(keras.layers.LayerNormalization)(normalization_rule)
+if _RMS:
+    register(_RMS[0])(normalization_rule)
+register(keras.layers.GroupNormalization)(normalization_rule)
+register(keras.layers.BatchNormalization, check_call=_refuse_training_mode)(normalization_rule)

@@ -1,0 +1,41 @@
+"""The float64 loop oracle: one eager GradientTape per example, written independently of pergrad."""
+
+from __future__ import annotations
+
+import numpy as np
+import tensorflow as tf
+
+
+def take(structure, i: int):
+    return tf.nest.map_structure(lambda t: None if t is None else np.asarray(t)[i:i + 1], structure)
+
+
+def loop_gradients(model, loss_fn, x, y=None, sample_weight=None, training=False):
+    """Per-example gradients ``(B, *var.shape)`` and losses ``(B,)`` by a Python loop.
+
+    ``loss_fn(y_true, y_pred)`` must return the loss of the single example as a (1, ...) tensor;
+    it is summed to a scalar here.
+    """
+    batch = len(tf.nest.flatten(x)[0])
+    variables = model.trainable_variables
+    grads = [np.zeros((batch, *v.shape)) for v in variables]
+    losses = np.zeros(batch)
+    for i in range(batch):
+        with tf.GradientTape() as tape:
+            pred = model(take(x, i), training=training)
+            loss = tf.reduce_sum(loss_fn(take(y, i), pred) if y is not None else loss_fn(pred))
+            if sample_weight is not None:
+                loss = loss * float(np.asarray(sample_weight)[i])
+        for k, g in enumerate(tape.gradient(loss, variables)):
+            if g is not None:
+                grads[k][i] = tf.convert_to_tensor(g).numpy()
+        losses[i] = float(loss)
+    return grads, losses
+
+
+def assert_close(actual, expected, rtol=1e-6, atol=None, what=""):
+    actual, expected = np.asarray(actual, np.float64), np.asarray(expected, np.float64)
+    assert actual.shape == expected.shape, f"{what}: shape {actual.shape} != {expected.shape}"
+    scale = max(np.max(np.abs(expected)), 1e-12)
+    atol = rtol * scale if atol is None else atol
+    np.testing.assert_allclose(actual, expected, rtol=rtol, atol=atol, err_msg=what)

@@ -1,0 +1,90 @@
+"""Every rule, model kind and method of PerExample against the float64 loop oracle."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import tensorflow as tf
+import zoo
+from oracle import assert_close, loop_gradients
+
+import pergrad
+from pergrad.engine.losses import per_example_loss
+
+
+def _oracle(case):
+    loss_fn = per_example_loss(case.loss)
+    return loop_gradients(case.model, loss_fn, case.x, case.y, case.sample_weight)
+
+
+@pytest.mark.parametrize("name", sorted(zoo.ALL))
+def test_auto_matches_loop_oracle(name, float64):
+    case = zoo.ALL[name]()
+    expected, expected_losses = _oracle(case)
+    pex = pergrad.PerExample(case.model, case.loss)
+    generic = {type(layer).__name__ for layer in pex.plan.generic}
+    assert generic == set(case.expect_generic), pex.plan.describe()
+
+    grads = pex.gradients(case.x, case.y, case.sample_weight)
+    # Relative to the largest gradient entry: some entries are exactly zero in exact arithmetic
+    # (attention's key bias) and only rounding noise in both computations.
+    scale = max(np.max(np.abs(e)) for e in expected)
+    for g, e, v in zip(grads, expected, case.model.trainable_variables, strict=True):
+        assert_close(g, e, atol=1e-6 * scale, what=f"{name}: {v.path}")
+    assert_close(pex.losses(case.x, case.y, case.sample_weight), expected_losses, what="losses")
+
+    flat = np.concatenate([e.reshape(len(e), -1) for e in expected], axis=1)
+    norms = np.linalg.norm(flat, axis=1)
+    assert_close(pex.norms(case.x, case.y, case.sample_weight), norms, what="norms")
+
+    rng = np.random.default_rng(7)
+    vectors = [rng.normal(size=v.shape) for v in case.model.trainable_variables]
+    flat_v = np.concatenate([v.ravel() for v in vectors])
+    assert_close(pex.dot(case.x, case.y, vectors, case.sample_weight), flat @ flat_v.T, what="dot")
+
+    clip = float(np.median(norms))
+    summed, clip_norms = pex.clipped_sum(case.x, case.y, clip, case.sample_weight)
+    factors = np.minimum(1.0, clip / norms)
+    expected_sums = [np.tensordot(factors, e, axes=1) for e in expected]
+    sum_scale = max(np.max(np.abs(e)) for e in expected_sums)
+    for s, e in zip(summed, expected_sums, strict=True):
+        assert_close(s, e, atol=1e-6 * sum_scale, what="clipped_sum")
+    assert_close(clip_norms, norms, what="clipped_sum norms")
+
+
+@pytest.mark.parametrize("strategy", ["vmap", "jacobian", "loop"])
+@pytest.mark.parametrize("name", ["mlp", "conv2d_same_stride2", "embedding", "shared_layer",
+                                  "sample_weight_regularizers", "subclassed_raw_variable"])
+def test_baseline_strategies_match_loop_oracle(name, strategy, float64):
+    case = zoo.ALL[name]()
+    expected, _ = _oracle(case)
+    pex = pergrad.PerExample(case.model, case.loss, strategy=strategy)
+    grads = pex.gradients(case.x, case.y, case.sample_weight)
+    for g, e in zip(grads, expected, strict=True):
+        assert_close(g, e, what=f"{name}/{strategy}")
+    flat = np.concatenate([e.reshape(len(e), -1) for e in expected], axis=1)
+    assert_close(pex.norms(case.x, case.y, case.sample_weight), np.linalg.norm(flat, axis=1))
+
+
+def test_float32_within_1e4(rng):
+    model = zoo.mlp().model
+    x, y = rng.normal(size=(6, 6)).astype("float32"), rng.integers(0, 3, 6)
+    got = pergrad.PerExample(model, zoo.SCCE).gradients(x, y)
+    expected, _ = loop_gradients(model, per_example_loss(zoo.SCCE), x, y)
+    for g, e in zip(got, expected, strict=True):
+        assert g.dtype == tf.float32
+        assert_close(g, e, rtol=1e-4)
+
+
+def test_regularization_losses_are_excluded(float64):
+    """model.losses belong to no example: per-example gradients are those of the data loss."""
+    case = zoo.weighted_regularized()
+    case.model(case.x)
+    assert case.model.losses, "the model should carry regularization losses"
+    pex = pergrad.PerExample(case.model, case.loss)
+    grads = pex.gradients(case.x, case.y)
+    with tf.GradientTape() as tape:
+        data_loss = tf.reduce_sum(per_example_loss(case.loss)(case.y, case.model(case.x)))
+    batch_grads = tape.gradient(data_loss, case.model.trainable_variables)
+    for g, b in zip(grads, batch_grads, strict=True):
+        assert_close(tf.reduce_sum(g, 0), b)
