@@ -88,3 +88,14 @@ def test_regularization_losses_are_excluded(float64):
     batch_grads = tape.gradient(data_loss, case.model.trainable_variables)
     for g, b in zip(grads, batch_grads, strict=True):
         assert_close(tf.reduce_sum(g, 0), b)
+
+
+@pytest.mark.parametrize("name", ["mlp", "conv2d_same_stride2", "embedding", "transformer",
+                                  "lstm_gru", "shared_layer"])
+def test_gram_matches_oracle(name, float64):
+    case = zoo.ALL[name]()
+    expected, _ = _oracle(case)
+    flat = np.concatenate([e.reshape(len(e), -1) for e in expected], axis=1)
+    pex = pergrad.PerExample(case.model, case.loss)
+    gram = tf.function(lambda x, y: pex.compute(x, y).gram())(case.x, case.y)
+    assert_close(gram, flat @ flat.T, atol=1e-6 * np.max(np.abs(flat @ flat.T)))

@@ -17,10 +17,14 @@ from pergrad.engine.strategies import STRATEGIES, run
 
 
 def _to_tensors(structure):
+    """Arrays to tensors as Keras's data adapters do: floating arrays become ``floatx``."""
     def convert(leaf):
         if leaf is None or isinstance(leaf, (tf.Tensor, tf.Variable)):
             return leaf
-        return tf.convert_to_tensor(np.asarray(leaf) if not np.isscalar(leaf) else leaf)
+        array = np.asarray(leaf)
+        if np.issubdtype(array.dtype, np.floating):
+            array = array.astype(keras.config.floatx())
+        return tf.convert_to_tensor(array)
     return tf.nest.map_structure(convert, structure)
 
 
@@ -103,8 +107,10 @@ class PerExample:
             def traced(*args):
                 self.trace_counts[name] += 1
                 return body(*args)
+            # No AutoGraph: Keras 3 layers need none, traces are faster, and errors raised while
+            # tracing (MixesExamplesError, ControlFlowError) reach the caller with their types.
             self._compiled[name] = tf.function(traced, jit_compile=self.jit_compile,
-                                               reduce_retracing=True)
+                                               reduce_retracing=True, autograph=False)
         return self._compiled[name]
 
     def _prepare(self, x, y, sample_weight):

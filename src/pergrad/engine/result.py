@@ -79,6 +79,16 @@ class PerExampleResult:
         """``<g_i, v>`` summed over all variables, ``(B,)``."""
         return tf.add_n(self.dots(vectors))
 
+    def grams(self) -> list[tf.Tensor]:
+        """Per variable, the ``(B, B)`` matrix ``<g_i[var], g_j[var]>``."""
+        dtype = self.norm_dtype
+        return [tf.zeros([self.batch_size, self.batch_size], dtype) if f is None
+                else tf.cast(f.gram(), dtype) for f in self.forms]
+
+    def gram(self) -> tf.Tensor:
+        """``K[i, j] = <g_i, g_j>`` over all variables, ``(B, B)``."""
+        return tf.add_n(self.grams())
+
     def weighted_sum(self, coefficients: tf.Tensor | list[tf.Tensor]) -> list[tf.Tensor]:
         """``sum_i c_i g_i`` per variable. ``coefficients`` is ``(B,)``, or one ``(B,)`` per
         variable (per-layer clipping)."""

@@ -74,6 +74,7 @@ class _CompiledDerivative:
         self.argnums = normalize_argnums(argnums, what)
         self._call_f = make_caller(f, self.training, what)
         self._last_key: Hashable | None = None
+        self._built = False
         self._dispatch = ShapeDispatch(
             self._build, name=what, batched=self.batched, jit_compile=self.jit_compile
         )
@@ -96,25 +97,14 @@ class _CompiledDerivative:
     # -- call path ------------------------------------------------------------------------
 
     def __call__(self, *args: Any) -> Any:
-        what = self._what
-        positions = diff_positions(self.argnums, len(args), what)
-        args = list(args)
-        for pos in positions:
-            paths = leaf_paths(args[pos], f"args[{pos}]")
-            leaves = tf.nest.flatten(args[pos])
-            converted = [to_tensor(leaf, p, what) for leaf, p in zip(leaves, paths, strict=True)]
-            for leaf, p in zip(converted, paths, strict=True):
-                if isinstance(leaf, tf.Variable):
-                    raise TypeError(
-                        f"{what}: {p} is a tf.Variable; this transform differentiates with "
-                        "respect to tensor arguments. Pass tf.convert_to_tensor(v) and use it "
-                        "inside f, or use pergrad.jacobian.jvp/vjp/hvp, which accept variables."
-                    )
-            args[pos] = tf.nest.pack_sequence_as(args[pos], converted)
-        args = tuple(args)
+        positions = diff_positions(self.argnums, len(args), self._what)
+        args = tuple(
+            self._convert(arg, pos) if pos in positions else arg for pos, arg in enumerate(args)
+        )
         if self.batched:
             self._check_batch(args, positions)
-        self._maybe_build(args)
+        if not self._built:
+            self._maybe_build(args)
         if self._signature_fn is not None:
             self._last_key = "input_signature"
             return self._signature_fn(*args)
@@ -122,34 +112,56 @@ class _CompiledDerivative:
         self._last_key = key
         return self._dispatch(key, *args)
 
-    def _check_batch(self, args: tuple, positions: list[int]) -> None:
+    def _convert(self, arg: Any, pos: int) -> Any:
+        """Differentiated argument: float tensors pass through; others converted or refused."""
+        if isinstance(arg, tf.Tensor) and arg.dtype.is_floating:
+            return arg  # fast path: the common case costs one isinstance check
         what = self._what
+        paths = leaf_paths(arg, f"args[{pos}]")
+        leaves = tf.nest.flatten(arg)
+        converted = [to_tensor(leaf, p, what) for leaf, p in zip(leaves, paths, strict=True)]
+        for leaf, p in zip(converted, paths, strict=True):
+            if isinstance(leaf, tf.Variable):
+                raise TypeError(
+                    f"{what}: {p} is a tf.Variable; this transform differentiates with "
+                    "respect to tensor arguments. Pass tf.convert_to_tensor(v) and use it "
+                    "inside f, or use pergrad.jacobian.jvp/vjp/hvp, which accept variables."
+                )
+        return tf.nest.pack_sequence_as(arg, converted)
+
+    def _check_batch(self, args: tuple, positions: list[int]) -> None:
+        leaves = [leaf for pos in positions for leaf in tf.nest.flatten(args[pos])]
+        sizes = {leaf.shape[0] if leaf.shape.rank else "scalar" for leaf in leaves}
+        sizes.discard(None)
+        if len(sizes) <= 1 and "scalar" not in sizes:
+            return
+        # Something is wrong: find the culprit's name.
+        what = self._what
+        paths = [p for pos in positions for p in leaf_paths(args[pos], f"args[{pos}]")]
         first: tuple[str, int] | None = None
-        for pos in positions:
-            for leaf, path in zip(
-                tf.nest.flatten(args[pos]), leaf_paths(args[pos], f"args[{pos}]"), strict=True
-            ):
-                if leaf.shape.rank == 0:
-                    raise ValueError(
-                        f"{what}: batched=True but input {path} is a scalar; every "
-                        "differentiated input needs a leading batch dimension."
-                    )
-                size = leaf.shape[0]
-                if first is None:
-                    first = (path, size)
-                elif size is not None and first[1] is not None and size != first[1]:
-                    raise ValueError(
-                        f"{what}: batched=True needs every differentiated input to share the "
-                        f"leading batch dimension, but {first[0]} has batch size {first[1]} "
-                        f"and {path} has {size}. Pass inputs of equal batch size, or use "
-                        "batched=False for the full Jacobian."
-                    )
+        for leaf, path in zip(leaves, paths, strict=True):
+            if not leaf.shape.rank:
+                raise ValueError(
+                    f"{what}: batched=True but input {path} is a scalar; every "
+                    "differentiated input needs a leading batch dimension."
+                )
+            size = leaf.shape[0]
+            if first is None or first[1] is None:
+                first = (path, size)
+            elif size is not None and size != first[1]:
+                raise ValueError(
+                    f"{what}: batched=True needs every differentiated input to share the "
+                    f"leading batch dimension, but {first[0]} has batch size {first[1]} "
+                    f"and {path} has {size}. Pass inputs of equal batch size, or use "
+                    "batched=False for the full Jacobian."
+                )
 
     def _maybe_build(self, args: tuple) -> None:
         """Builds an unbuilt Keras model eagerly once, so no variable is created in a trace."""
         f = self.f
         if isinstance(f, keras.Layer) and not f.built:
             f(*args, training=False)
+        self._built = True
 
     def _build(self, key: Hashable) -> Callable[..., Any]:
         def run(*args: Any) -> Any:
@@ -249,8 +261,8 @@ def jacobian(
       f: a Keras model or layer (called with ``training=training``), or a function of TF ops.
       mode: ``"rev"`` (one VJP u^T J per output element, vectorized), ``"fwd"`` (one JVP J t
         per input element with `tf.autodiff.ForwardAccumulator`, vectorized), or ``"auto"``:
-        forward mode iff the inputs have fewer elements than the outputs (per example when
-        batched). The choice is `Jacobian.mode` after the first call.
+        forward mode iff 1.5 x (input elements) < (output elements), per example when
+        batched (a JVP costs about 1.5 VJPs). The choice is `Jacobian.mode` after a call.
       batched: f maps a batch to a batch with independent examples; returns per-example
         Jacobians of shape (B, *ex(y_k), *ex(x_l)), where ex() drops the batch dimension,
         at the vectorized width of one example's Jacobian (like ``batch_jacobian``).

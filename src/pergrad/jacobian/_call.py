@@ -6,6 +6,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import keras
+import tensorflow as tf
 
 Argnums = int | Sequence[int] | None
 
@@ -31,7 +32,19 @@ def make_caller(f: Callable[..., Any], training: bool, what: str) -> Callable[..
             f"{what}: training=True applies to Keras layers and models only; f is a "
             f"{type(f).__name__}. Call your model with training=True inside f instead."
         )
-    return f
+    return autograph(f)
+
+
+def autograph(f: Callable[..., Any]) -> Callable[..., Any]:
+    """f converted by AutoGraph (Python control flow on tensors), as `tf.function` would do.
+
+    Our own tracing code runs with ``autograph=False``; only the user's function is converted.
+    Callables AutoGraph cannot convert (no source, builtins) are used as they are.
+    """
+    try:
+        return tf.autograph.to_graph(f)
+    except Exception:  # noqa: BLE001 - AutoGraph raises many kinds; unconverted f still works
+        return f
 
 
 def normalize_argnums(argnums: Argnums, what: str) -> int | tuple[int, ...] | None:

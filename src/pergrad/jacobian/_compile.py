@@ -26,6 +26,24 @@ import numpy as np
 import tensorflow as tf
 
 
+class _Counted:
+    """The traced Python callable: bumps the owner's counter, then runs the computation.
+
+    A callable object rather than a closure: TensorFlow keys its "frequent retracing"
+    warning by a function's code object, so closures from separate `Traced` objects would
+    share one counter and warn about retracing that is really first traces of new objects.
+    """
+
+    def __init__(self, owner: Traced, python_fn: Callable[..., Any], name: str) -> None:
+        self._owner = owner
+        self._python_fn = python_fn
+        self.__name__ = name
+
+    def __call__(self, *args: Any) -> Any:
+        self._owner.trace_count += 1
+        return self._python_fn(*args)
+
+
 class Traced:
     """``tf.function(python_fn, reduce_retracing=True)`` plus a trace counter."""
 
@@ -36,20 +54,12 @@ class Traced:
         name: str,
         jit_compile: bool = False,
         input_signature: Any = None,
-        on_trace: Callable[[], None] | None = None,
     ) -> None:
         self.trace_count = 0
-
-        def traced(*args: Any) -> Any:
-            self.trace_count += 1
-            if on_trace is not None:
-                on_trace()
-            return python_fn(*args)
-
-        traced.__name__ = name
         self.function = tf.function(
-            traced,
+            _Counted(self, python_fn, name),
             reduce_retracing=True,
+            autograph=False,  # the user's f is converted on its own (see _call.autograph)
             jit_compile=jit_compile,
             input_signature=input_signature,
         )
@@ -63,12 +73,14 @@ def _leaf_key(leaf: Any, batched: bool) -> Hashable:
         shape = tuple(leaf.shape)
         if batched and shape:
             shape = (None,) + shape[1:]
-        return ("T", tf.as_dtype(leaf.dtype).name, shape)
+        return ("T", leaf.dtype if isinstance(leaf.dtype, tf.DType) else str(leaf.dtype), shape)
     return ("P", type(leaf).__name__)  # Python values: tf.function keys them itself
 
 
 def structural_key(args: tuple, batched: bool) -> Hashable:
     """Nesting, dtypes and layout-fixing shapes of `args` (see module docstring)."""
+    if all(isinstance(a, tf.Tensor) for a in args):  # fast path: plain tensor arguments
+        return ("tensors", tuple(_leaf_key(a, batched) for a in args))
     leaves = tf.nest.flatten(args)
     structure = tf.nest.pack_sequence_as(args, [0] * len(leaves))
     return (repr(structure), tuple(_leaf_key(leaf, batched) for leaf in leaves))

@@ -18,8 +18,8 @@ u[b] = e_j shared by every example gives sum_b' J[b', b]^T e_j = J[b, b]^T e_j, 
 of every example's Jacobian at once; likewise a tangent t[b] = e_i gives column i. The
 vectorized width is the per-example size, not B times it.
 
-Cost rule of thumb: rev does sum_k M_k VJPs, fwd does sum_l N_l JVPs, each about the price
-of one forward pass. ``choose_mode`` picks the smaller count.
+Cost rule of thumb: rev does sum_k M_k VJPs, fwd does sum_l N_l JVPs, each a small multiple
+of one forward pass. ``choose_mode`` picks the smaller cost.
 """
 
 from __future__ import annotations
@@ -45,12 +45,19 @@ ZERO = tf.UnconnectedGradients.ZERO
 MODES = ("auto", "rev", "fwd")
 
 
-def choose_mode(n_in: int, n_out: int) -> str:
-    """Forward mode when it needs fewer products than reverse mode (N < M), else reverse.
+# A vectorized JVP costs about 1.3x-2x a vectorized VJP here (TF 2.21, 2-core CPU, measured
+# on MLPs and small CNNs with batched Jacobians of 32-128 inputs and outputs per example):
+# forward mode wins only when it needs clearly fewer products.
+FWD_PRODUCT_COST = 1.5
 
-    Ties go to reverse mode: its products share one stored forward pass.
+
+def choose_mode(n_in: int, n_out: int) -> str:
+    """Forward mode iff ``FWD_PRODUCT_COST * N < M``, else reverse mode.
+
+    N (input elements) is the number of JVPs forward mode needs, M (output elements) the
+    number of VJPs reverse mode needs, per example when batched.
     """
-    return "fwd" if n_in < n_out else "rev"
+    return "fwd" if FWD_PRODUCT_COST * n_in < n_out else "rev"
 
 
 def _basis(
@@ -63,27 +70,29 @@ def _basis(
     return e
 
 
-def _batch_size(xs: list[tf.Tensor]) -> tf.Tensor:
-    return tf.shape(xs[0])[0]
+def _batch_size(xs: list[tf.Tensor]) -> int | tf.Tensor:
+    """The batch size: a Python int when static, else a scalar tensor."""
+    static = xs[0].shape[0]
+    return int(static) if static is not None else tf.shape(xs[0])[0]
 
 
 def check_output_batch(
-    ys: list[tf.Tensor], y_paths: list[str], batch: tf.Tensor, what: str
+    ys: list[tf.Tensor], y_paths: list[str], batch: int | tf.Tensor, what: str
 ) -> list:
     """batched=True: each output must keep the batch dimension. Static check, else an assert op."""
     asserts = []
-    static_batch = tf.get_static_value(batch)
+    static_batch = batch if isinstance(batch, int) else None
     for y, path in zip(ys, y_paths, strict=True):
         if y.shape.rank == 0:
             raise ValueError(
-                f"{what}: batched=True but f's output {path} is a scalar; f must map a batch to "
+                f"{what}: batched=True but f's {path} is a scalar; f must map a batch to "
                 "a batch (leading dimension B). Use batched=False for the full Jacobian."
             )
         lead = y.shape[0]
         if lead is not None and static_batch is not None:
             if int(lead) != int(static_batch):
                 raise ValueError(
-                    f"{what}: batched=True but f's output {path} has leading dimension {lead} "
+                    f"{what}: batched=True but f's {path} has leading dimension {lead} "
                     f"while the inputs have batch size {static_batch}; f must map a batch to a "
                     "batch with independent examples. Use batched=False for the full Jacobian."
                 )
@@ -92,8 +101,8 @@ def check_output_batch(
                 tf.debugging.assert_equal(
                     tf.shape(y)[0],
                     batch,
-                    message=f"{what}: batched=True but f's output {path} does not keep the "
-                    "inputs' batch size",
+                    message=f"{what}: batched=True but the {path} of f does not keep the "
+                    "batch size of the inputs (f must map a batch to a batch)",
                 )
             )
     return asserts

@@ -75,7 +75,7 @@ def check_float_outputs(ys: Sequence[tf.Tensor], paths: Sequence[str], what: str
         if not isinstance(y, (tf.Tensor, tf.Variable)) or not y.dtype.is_floating:
             kind = y.dtype.name if hasattr(y, "dtype") else type(y).__name__
             raise TypeError(
-                f"{what}: f's output {path} is {kind}; derivatives need floating outputs. "
+                f"{what}: f's {path} is {kind}; derivatives need floating outputs. "
                 "Return only floating tensors from f (cast, or drop integer outputs)."
             )
 
@@ -127,11 +127,15 @@ def batch_first(t: tf.Tensor) -> tf.Tensor:
     return tf.transpose(t, [1, 0] + list(range(2, rank)))
 
 
-def block_shape(batch: tf.Tensor | None, out_shape: Sequence[int], in_shape: Sequence[int]):
+def block_shape(
+    batch: int | tf.Tensor | None, out_shape: Sequence[int], in_shape: Sequence[int]
+) -> list[int] | tf.Tensor:
     """Final shape of one Jacobian block: ([B,] *out_shape, *in_shape)."""
     dims = list(out_shape) + list(in_shape)
     if batch is None:
         return dims
+    if isinstance(batch, int):
+        return [batch, *dims]
     return tf.concat([tf.reshape(batch, [1]), tf.constant(dims, tf.int32)], axis=0)
 
 

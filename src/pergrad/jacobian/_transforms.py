@@ -16,6 +16,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+import keras
 import tensorflow as tf
 
 from pergrad.jacobian._call import make_caller
@@ -31,62 +32,105 @@ def _as_args(primals: Any) -> tuple[tuple, bool]:
     return (primals,), False
 
 
-def _check_primals(args: tuple, what: str) -> tuple:
-    if not args:
-        raise ValueError(f"{what}: primals is an empty tuple; pass f's arguments.")
-    out = []
-    for i, arg in enumerate(args):
-        paths = leaf_paths(arg, f"primals[{i}]")
-        leaves = [
-            to_tensor(leaf, p, what) for leaf, p in zip(tf.nest.flatten(arg), paths, strict=True)
-        ]
-        out.append(tf.nest.pack_sequence_as(arg, leaves))
-    return tuple(out)
+def _as_tf_variable(leaf: Any) -> tf.Variable | None:
+    """The tf.Variable behind a leaf (Keras 3 variables wrap one), or None for data."""
+    if isinstance(leaf, tf.Variable):
+        return leaf
+    if isinstance(leaf, keras.Variable):
+        value = leaf.value
+        return value if isinstance(value, tf.Variable) else leaf._value
+    return None
 
 
-def _match(primals: tuple, other: Any, name: str, what: str) -> tuple:
-    """Converts tangents/vectors to the primals' structure, dtypes and shapes, or explains."""
+class _Layout:
+    """Where the variables sit among the primal leaves, and the primals' nesting.
+
+    Variables are not passed to the compiled function: a variable argument gets its own
+    handle inside the graph, distinct from the handle f's layers capture, so a tape or an
+    accumulator watching the argument would see no use of it. They are captured instead, and
+    the layout (with the variables' identities) is part of the cache key.
+    """
+
+    def __init__(self, structure: Any, slots: list[tf.Variable | None]) -> None:
+        self._structure = structure
+        self._slots = slots
+        self.key = (repr(structure), tuple(None if v is None else v.ref() for v in slots))
+
+    def merge(self, tensors: list) -> list:
+        """All leaves in order: the given tensors where data, the variables elsewhere."""
+        it = iter(tensors)
+        return [next(it) if v is None else v for v in self._slots]
+
+    def pack(self, flat: list) -> tuple:
+        return tf.nest.pack_sequence_as(self._structure, flat)
+
+
+class _Primals:
+    """One call's primals: tensor leaves (compiled-function arguments) and their layout."""
+
+    def __init__(self, args: tuple, what: str) -> None:
+        if not args:
+            raise ValueError(f"{what}: primals is an empty tuple; pass f's arguments.")
+        leaves = tf.nest.flatten(args)
+        self.paths = leaf_paths(args, "primals")
+        self.tensors: list[tf.Tensor] = []
+        slots: list[tf.Variable | None] = []
+        for leaf, path in zip(leaves, self.paths, strict=True):
+            var = _as_tf_variable(leaf)
+            if var is not None:
+                if not var.dtype.is_floating:
+                    to_tensor(tf.zeros((), var.dtype), path, what)  # raises the dtype error
+                slots.append(var)
+            else:
+                self.tensors.append(to_tensor(leaf, path, what))
+                slots.append(None)
+        self.layout = _Layout(tf.nest.pack_sequence_as(args, list(range(len(leaves)))), slots)
+        self.flat_primals = self.layout.merge(self.tensors)
+
+
+def _match(primals: _Primals, other: Any, name: str, what: str) -> list[tf.Tensor]:
+    """Flat tangents/vectors checked against the primals' structure, dtypes and shapes."""
     other_args, _ = _as_args(other)
     try:
-        tf.nest.assert_same_structure(primals, other_args)
+        tf.nest.assert_same_structure(
+            primals.layout.pack(list(range(len(primals.flat_primals)))), other_args
+        )
     except (ValueError, TypeError) as err:
         raise ValueError(
             f"{what}: {name} must have the same nested structure as primals. {err}"
         ) from err
-    flat_p = tf.nest.flatten(primals)
-    paths = leaf_paths(primals, name)
     out = []
-    for p, t, path in zip(flat_p, tf.nest.flatten(other_args), paths, strict=True):
+    paths = [p.replace("primals", name, 1) for p in primals.paths]
+    for p, t, path in zip(primals.flat_primals, tf.nest.flatten(other_args), paths, strict=True):
         t = tf.convert_to_tensor(t, dtype=p.dtype) if not isinstance(t, tf.Tensor) else t
         if t.dtype != p.dtype:
             raise TypeError(f"{what}: {path} has dtype {t.dtype.name}, primal has {p.dtype.name}.")
         if not t.shape.is_compatible_with(p.shape):
             raise ValueError(f"{what}: {path} has shape {t.shape}, primal has shape {p.shape}.")
         out.append(t)
-    return tf.nest.pack_sequence_as(primals, out)
+    return out
 
 
 # ---------------------------------------------------------------------------------------------
 
 
-def _build_forward(training: bool) -> Callable[[Callable[[], Any]], Traced]:
+def _build_forward(training: bool, primals: _Layout) -> Callable[[Callable[[], Any]], Traced]:
     def build(f_ref: Callable[[], Any]) -> Traced:
-        def forward(args: tuple) -> Any:
-            return make_caller(f_ref(), training, "vjp")(*args)
+        def forward(tensors: list) -> Any:
+            return make_caller(f_ref(), training, "vjp")(*primals.pack(primals.merge(tensors)))
 
         return Traced(forward, name="forward")
 
     return build
 
 
-def _build_jvp(training: bool) -> Callable[[Callable[[], Any]], Traced]:
+def _build_jvp(training: bool, primals: _Layout) -> Callable[[Callable[[], Any]], Traced]:
     def build(f_ref: Callable[[], Any]) -> Traced:
-        def run(args: tuple, tangents: tuple) -> tuple[Any, Any]:
+        def run(tensors: list, tangents: list) -> tuple[Any, Any]:
             call = make_caller(f_ref(), training, "jvp")
-            with tf.autodiff.ForwardAccumulator(
-                tf.nest.flatten(args), tf.nest.flatten(tangents)
-            ) as acc:
-                y = call(*args)
+            leaves = primals.merge(tensors)
+            with tf.autodiff.ForwardAccumulator(leaves, tangents) as acc:
+                y = call(*primals.pack(leaves))
             out = tf.nest.map_structure(lambda t: acc.jvp(t, unconnected_gradients=ZERO), y)
             return y, out
 
@@ -95,44 +139,48 @@ def _build_jvp(training: bool) -> Callable[[Callable[[], Any]], Traced]:
     return build
 
 
-def _build_vjp(training: bool) -> Callable[[Callable[[], Any]], Traced]:
+def _build_vjp(training: bool, primals: _Layout) -> Callable[[Callable[[], Any]], Traced]:
     def build(f_ref: Callable[[], Any]) -> Traced:
-        def run(args: tuple, cotangents: Any) -> tuple:
+        def run(tensors: list, cotangents: Any) -> list:
             call = make_caller(f_ref(), training, "vjp")
-            leaves = tf.nest.flatten(args)
+            leaves = primals.merge(tensors)
             with tf.GradientTape() as tape:
                 tape.watch(leaves)
-                y = call(*args)
+                y = call(*primals.pack(leaves))
             tf.nest.assert_same_structure(y, cotangents)
-            grads = tape.gradient(
+            return tape.gradient(
                 tf.nest.flatten(y),
                 leaves,
                 output_gradients=tf.nest.flatten(cotangents),
                 unconnected_gradients=ZERO,
             )
-            return tf.nest.pack_sequence_as(args, grads)
 
         return Traced(run, name="vjp")
 
     return build
 
 
-def _build_hvp(training: bool) -> Callable[[Callable[[], Any]], Traced]:
+def _build_hvp(training: bool, primals: _Layout) -> Callable[[Callable[[], Any]], Traced]:
     def build(f_ref: Callable[[], Any]) -> Traced:
-        def run(args: tuple, vectors: tuple) -> tuple:
+        def run(tensors: list, vectors: list) -> list:
             call = make_caller(f_ref(), training, "hvp")
-            leaves = tf.nest.flatten(args)
-            with tf.autodiff.ForwardAccumulator(leaves, tf.nest.flatten(vectors)) as acc:
+            leaves = primals.merge(tensors)
+            with tf.autodiff.ForwardAccumulator(leaves, vectors) as acc:
                 with tf.GradientTape() as tape:
                     tape.watch(leaves)
-                    y, _ = scalar_objective(call(*args), False, None, "hvp")
+                    y, _ = scalar_objective(call(*primals.pack(leaves)), False, None, "hvp")
                 grads = tape.gradient(y, leaves, unconnected_gradients=ZERO)
-            hv = [acc.jvp(g, unconnected_gradients=ZERO) for g in grads]
-            return tf.nest.pack_sequence_as(args, hv)
+            return [acc.jvp(g, unconnected_gradients=ZERO) for g in grads]
 
         return Traced(run, name="hvp")
 
     return build
+
+
+def _compiled(f: Any, kind: str, training: bool, primals: _Primals, builder: Callable) -> Traced:
+    flag = bool(training)
+    layout = primals.layout
+    return compiled_for(f, kind, (flag, layout.key), builder(flag, layout))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -157,9 +205,9 @@ def jvp(
     """
     make_caller(f, training, "jvp")  # validates f and `training` now, not at trace time
     args, _ = _as_args(primals)
-    args = _check_primals(args, "jvp")
-    tans = _match(args, tangents, "tangents", "jvp")
-    return compiled_for(f, "jvp", (bool(training),), _build_jvp(bool(training)))(args, tans)
+    prim = _Primals(args, "jvp")
+    tans = _match(prim, tangents, "tangents", "jvp")
+    return _compiled(f, "jvp", training, prim, _build_jvp)(prim.tensors, tans)
 
 
 def vjp(
@@ -181,10 +229,9 @@ def vjp(
     """
     make_caller(f, training, "vjp")
     args, was_tuple = _as_args(primals)
-    args = _check_primals(args, "vjp")
-    flag = bool(training)
-    outputs = compiled_for(f, "forward", (flag,), _build_forward(flag))(args)
-    backward = compiled_for(f, "vjp", (flag,), _build_vjp(flag))
+    prim = _Primals(args, "vjp")
+    outputs = _compiled(f, "forward", training, prim, _build_forward)(prim.tensors)
+    backward = _compiled(f, "vjp", training, prim, _build_vjp)
 
     def vjp_fn(cotangents: Any) -> Any:
         try:
@@ -201,8 +248,8 @@ def vjp(
                 raise ValueError(
                     f"vjp_fn: a cotangent has shape {u.shape}, the matching output {y.shape}."
                 )
-        grads = backward(args, cts)
-        return tuple(grads) if was_tuple else grads[0]
+        grads = prim.layout.pack(backward(prim.tensors, cts))
+        return grads if was_tuple else grads[0]
 
     return outputs, vjp_fn
 
@@ -226,8 +273,7 @@ def hvp(f: Callable[..., Any], primals: Any, vectors: Any, *, training: bool = F
     """
     make_caller(f, training, "hvp")
     args, was_tuple = _as_args(primals)
-    args = _check_primals(args, "hvp")
-    vecs = _match(args, vectors, "vectors", "hvp")
-    flag = bool(training)
-    out = compiled_for(f, "hvp", (flag,), _build_hvp(flag))(args, vecs)
-    return tuple(out) if was_tuple else out[0]
+    prim = _Primals(args, "hvp")
+    vecs = _match(prim, vectors, "vectors", "hvp")
+    out = prim.layout.pack(_compiled(f, "hvp", training, prim, _build_hvp)(prim.tensors, vecs))
+    return out if was_tuple else out[0]

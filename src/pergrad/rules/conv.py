@@ -35,12 +35,18 @@ def _padding_and_size(n: int, k: int, s: int, d: int, padding: str) -> tuple[int
 
 
 def extract_patches(x: tf.Tensor, kernel_size, strides, dilation, padding: str) -> tf.Tensor:
-    """Patches of channels-last ``x``: ``(B, out_1, ..., out_n, K, C)``, ``K`` in kernel order."""
+    """Patches of channels-last ``x``: ``(B, out_1, ..., out_n, K, C)``, ``K`` in kernel order.
+
+    One ``tf.image.extract_patches`` for 1D and 2D inputs; strided slices (one per kernel
+    offset) for 3D.
+    """
     spatial = x.shape[1:-1]
     geometry = [_padding_and_size(int(n), k, s, d, padding)
                 for n, k, s, d in zip(spatial, kernel_size, strides, dilation, strict=True)]
     if any(before or after for before, after, _ in geometry):
         x = tf.pad(x, [[0, 0], *[[b, a] for b, a, _ in geometry], [0, 0]])
+    if len(spatial) <= 2:
+        return _image_patches(x, kernel_size, strides, dilation)
     slices = []
     for offset in itertools.product(*[range(k) for k in kernel_size]):
         begin = [0, *[o * d for o, d in zip(offset, dilation, strict=True)], 0]
@@ -50,6 +56,20 @@ def extract_patches(x: tf.Tensor, kernel_size, strides, dilation, padding: str) 
                                        begin_mask=1 | (1 << (len(spatial) + 1)),
                                        end_mask=1 | (1 << (len(spatial) + 1))))
     return tf.stack(slices, axis=-2)
+
+
+def _image_patches(x: tf.Tensor, kernel_size, strides, dilation) -> tf.Tensor:
+    """``tf.image.extract_patches`` on an already padded 1D or 2D input (1D as height 1)."""
+    one_d = x.shape.rank == 3
+    if one_d:
+        x = x[:, None]
+        kernel_size, strides, dilation = (1, *kernel_size), (1, *strides), (1, *dilation)
+    channels = x.shape[-1]
+    patches = tf.image.extract_patches(x, [1, *kernel_size, 1], [1, *strides, 1],
+                                       [1, *dilation, 1], "VALID")
+    patches = tf.reshape(patches, [tf.shape(x)[0], *patches.shape[1:3],
+                                   kernel_size[0] * kernel_size[1], channels])
+    return patches[:, 0] if one_d else patches
 
 
 def _channels_last(t: tf.Tensor, data_format: str) -> tf.Tensor:

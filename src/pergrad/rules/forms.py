@@ -8,6 +8,7 @@ example ``i`` of the batch:
 * ``squared_norms()``   -> ``||g_i||^2``             shape ``(B,)``
 * ``dots(V)``           -> ``<g_i, V>``              shape ``(B,)``
 * ``weighted_sum(c)``   -> ``sum_i c_i g_i``         shape ``W.shape``
+* ``gram()``            -> ``<g_i, g_j>``            shape ``(B, B)``
 
 The forms:
 
@@ -81,9 +82,20 @@ class Factored:
         # natural order is (I..., G..., O...): reshape to (I, G, O)
         return tf.reshape(v, [i, g, o])
 
+    def _per_example_matrices(self) -> tf.Tensor:
+        """``(B, I, G, O)``: ``sum_t`` of the outer products, by the cheapest kernel."""
+        a, d = self.a, self.d
+        if a.shape[1] == 1:  # one position: a plain outer product
+            return a[:, 0, :, :, None] * d[:, 0, :, None, :] if a.shape[2] == 1 else tf.transpose(
+                a[:, 0, :, :, None] * d[:, 0, :, None, :], [0, 2, 1, 3])
+        if a.shape[2] == 1:
+            return tf.matmul(a[:, :, 0, :], d[:, :, 0, :], transpose_a=True)[:, :, None, :]
+        m = tf.matmul(tf.transpose(a, [0, 2, 1, 3]), tf.transpose(d, [0, 2, 1, 3]),
+                      transpose_a=True)  # (B, G, I, O)
+        return tf.transpose(m, [0, 2, 1, 3])
+
     def materialize(self) -> tf.Tensor:
-        m = tf.einsum("btgi,btgo->bigo", self.a, self.d)
-        return self._to_variable_layout(m, batched=True)
+        return self._to_variable_layout(self._per_example_matrices(), batched=True)
 
     def squared_norms(self) -> tf.Tensor:
         t, i, o = _static(self.a.shape[1]), _static(self.a.shape[3]), _static(self.d.shape[3])
@@ -100,7 +112,7 @@ class Factored:
             gram_a = tf.einsum("btgi,bsgi->bgts", self.a, self.a)
             gram_d = tf.einsum("btgo,bsgo->bgts", self.d, self.d)
             return tf.reduce_sum(gram_a * gram_d, axis=[1, 2, 3])
-        m = tf.einsum("btgi,btgo->bigo", self.a, self.d)
+        m = self._per_example_matrices()
         return tf.reduce_sum(tf.square(m), axis=[1, 2, 3])
 
     def dots(self, vector: tf.Tensor) -> tf.Tensor:
@@ -110,8 +122,24 @@ class Factored:
 
     def weighted_sum(self, coefficients: tf.Tensor) -> tf.Tensor:
         c = tf.cast(coefficients, self.a.dtype)[:, None, None, None]
-        m = tf.einsum("btgi,btgo->igo", self.a * c, self.d)
+        i, g, o = self.a.shape[3], self.a.shape[2], self.d.shape[3]
+        if g == 1:  # one matmul over all (example, position) rows, like the batch gradient
+            m = tf.matmul(tf.reshape(self.a * c, [-1, i]), tf.reshape(self.d, [-1, o]),
+                          transpose_a=True)[:, None, :]
+        else:
+            m = tf.einsum("btgi,btgo->igo", self.a * c, self.d)
         return self._to_variable_layout(m, batched=False)
+
+    def gram(self) -> tf.Tensor:
+        """``K[i, j] = <g_i, g_j>``, ``(B, B)``: ghost ``sum_{t,s} (a_it . a_js)(d_it . d_js)``
+        or the materialized ``M M^T``, whichever costs less."""
+        t, i, o = _static(self.a.shape[1]), _static(self.a.shape[3]), _static(self.d.shape[3])
+        if t is not None and t * t * (i + o) < t * i * o + i * o:
+            gram_a = tf.einsum("btgi,csgi->bcgts", self.a, self.a)
+            gram_d = tf.einsum("btgo,csgo->bcgts", self.d, self.d)
+            return tf.reduce_sum(gram_a * gram_d, axis=[2, 3, 4])
+        flat = tf.reshape(self._per_example_matrices(), [tf.shape(self.a)[0], -1])
+        return tf.matmul(flat, flat, transpose_b=True)
 
     def merged_with(self, other: Factored) -> Factored:
         """Two calls of one layer: the sums over positions concatenate along ``T``."""
@@ -142,6 +170,10 @@ class Materialized:
     def weighted_sum(self, coefficients: tf.Tensor) -> tf.Tensor:
         c = tf.cast(coefficients, self.value.dtype)
         return tf.tensordot(c, self.value, axes=1)
+
+    def gram(self) -> tf.Tensor:
+        flat = tf.reshape(self.value, [tf.shape(self.value)[0], -1])
+        return tf.matmul(flat, flat, transpose_b=True)
 
     def merged_with(self, other: Materialized) -> Materialized:
         return Materialized(self.variable, self.value + other.value)
@@ -197,6 +229,12 @@ class Rows:
         c = tf.cast(coefficients, self.d.dtype)[:, None, None]
         flat = tf.reshape(self.d * c, [-1, self.d.shape[-1]])
         return tf.math.unsorted_segment_sum(flat, tf.reshape(self.ids, [-1]), self.num_rows)
+
+    def gram(self) -> tf.Tensor:
+        """``<g_i, g_j> = sum_{t,s} [ids_it = ids_js] (d_it . d_js)``."""
+        same = tf.cast(tf.equal(self.ids[:, None, :, None], self.ids[None, :, None, :]), self.d.dtype)
+        dd = tf.einsum("bto,cso->bcts", self.d, self.d)
+        return tf.reduce_sum(same * dd, axis=[2, 3])
 
     def merged_with(self, other: Rows) -> Rows:
         return Rows(self.variable, tf.concat([self.ids, other.ids], 1),

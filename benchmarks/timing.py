@@ -1,0 +1,32 @@
+"""Median wall-clock timing with warm-up and a time budget, shared by the benchmark scripts."""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable
+
+import tensorflow as tf
+
+
+def _block(result) -> None:
+    for leaf in tf.nest.flatten(result):
+        if hasattr(leaf, "numpy"):
+            leaf.numpy()
+
+
+def median_seconds(fn: Callable[[], object], *, repeats: int = 7, budget_s: float = 10.0,
+                   warmup: int = 1) -> tuple[float, int]:
+    """Median time of ``fn()`` over up to ``repeats`` calls after ``warmup`` untimed calls
+    (tracing, XLA compilation), stopping early once ``budget_s`` seconds are spent.
+    Returns ``(median seconds, number of timed calls)``."""
+    for _ in range(warmup):
+        _block(fn())
+    times: list[float] = []
+    spent = 0.0
+    while len(times) < repeats and (spent < budget_s or not times):
+        start = time.perf_counter()
+        _block(fn())
+        times.append(time.perf_counter() - start)
+        spent += times[-1]
+    return statistics.median(times), len(times)

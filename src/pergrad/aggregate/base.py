@@ -1,0 +1,190 @@
+"""The aggregator protocol: ``local`` on each replica, ``cross_replica``, then ``finalize``.
+
+An aggregator turns the per-example gradients ``g_i`` of a batch into one update per variable.
+Like an optax gradient transformation it is a small named tuple of pure functions:
+
+* ``local(result, batch) -> Partial``: what one replica computes from its own examples. For a
+  *linear* aggregator these are the per-variable sums ``s = sum_i c_i g_i`` (coefficients ``c_i``
+  from the per-example norms), which add up across replicas. A *gathering* aggregator (median,
+  trimmed mean, custom) keeps every ``g_i`` instead.
+* :func:`cross_replica` ``(partial) -> Partial``: under ``tf.distribute`` sums the linear parts
+  (``all_reduce``) or concatenates the per-example parts (``all_gather``) over replicas; the
+  identity otherwise. Every replica then holds the same global ``Partial``.
+* ``finalize(partial, step) -> grads``: the update, from the global partial. Noise is drawn
+  here, from a stateless generator keyed by ``(seed, step)``: every replica draws the *same*
+  noise, so it enters the global update once.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import tensorflow as tf
+
+from pergrad.aggregate.examples import Batch, finite_examples, masked
+
+
+class Partial(NamedTuple):
+    """What ``local`` returns.
+
+    Attributes:
+        values: linear aggregators: one tensor per variable, shaped like it (a sum over
+            examples). Gathering aggregators: one ``(B, *var.shape)`` tensor per variable.
+        rows: number of rows in the batch (padding and dropped rows included), a float scalar.
+        include: gathering aggregators only: ``(B,)`` float, 1 for the examples that count
+            (finite and of nonzero weight), 0 for the rest; ``None`` for linear aggregators.
+        dropped: number of examples dropped for a non-finite gradient or loss (float scalar).
+    """
+
+    values: list
+    rows: tf.Tensor
+    include: tf.Tensor | None
+    dropped: tf.Tensor
+
+
+class Aggregator(NamedTuple):
+    """A named pair of pure functions; build one with the factories in :mod:`pergrad.aggregate`.
+
+    Attributes:
+        name: registry name (``"clip_mean"``, ...), used by :func:`serialize`.
+        config: the factory's keyword arguments; ``factory(**config)`` rebuilds the aggregator.
+        local: ``(PerExampleResult, Batch) -> Partial`` on one replica.
+        finalize: ``(Partial, step) -> list[tf.Tensor]``, the update aligned with the variables.
+        gathers: ``True`` if ``local`` keeps per-example gradients (gathered across replicas)
+            rather than sums (summed across replicas).
+    """
+
+    name: str
+    config: dict
+    local: Callable[[Any, Batch], Partial]
+    finalize: Callable[[Partial, Any], list]
+    gathers: bool = False
+
+    def __call__(self, result, sample_weight=None, step=0) -> list[tf.Tensor]:
+        """The update for one batch on one device: ``finalize(local(result, batch), step)``.
+
+        ``sample_weight`` is the batch's sample weight, if any (the gradients in ``result``
+        already include it; order statistics use it to leave out zero-weight rows).
+        """
+        return self.finalize(self.local(result, Batch.of(result, sample_weight)), step)
+
+    def get_config(self) -> dict:
+        return serialize(self)
+
+
+_REGISTRY: dict[str, Callable[..., Aggregator]] = {}
+
+
+def register(factory: Callable[..., Aggregator]) -> Callable[..., Aggregator]:
+    """Make ``factory`` (e.g. ``clip_mean``) known to :func:`deserialize` under its name."""
+    _REGISTRY[factory.__name__] = factory
+    return factory
+
+
+def serialize(aggregator: Aggregator) -> dict:
+    """``{"name": ..., "config": {...}}``, JSON-friendly; :func:`deserialize` inverts it."""
+    config = dict(aggregator.config)
+    if aggregator.name == "custom":
+        import keras
+        config["fn"] = keras.saving.serialize_keras_object(config["fn"])
+    return {"name": aggregator.name, "config": config}
+
+
+def deserialize(config: dict | Aggregator) -> Aggregator:
+    """Rebuild an aggregator from :func:`serialize`'s output (an aggregator passes through)."""
+    if isinstance(config, Aggregator):
+        return config
+    name = config.get("name")
+    if name not in _REGISTRY:
+        raise ValueError(f"Unknown aggregator {name!r}; known: {sorted(_REGISTRY)}.")
+    kwargs = dict(config.get("config", {}))
+    if name == "custom":
+        import keras
+        kwargs["fn"] = keras.saving.deserialize_keras_object(kwargs["fn"])
+    return _REGISTRY[name](**kwargs)
+
+
+def cross_replica(partial: Partial, gathers: bool) -> Partial:
+    """Combine the replicas' partials: sum linear values, concatenate per-example ones.
+
+    Outside a ``tf.distribute`` replica context with more than one replica this is the
+    identity.
+    """
+    context = tf.distribute.get_replica_context()
+    if context is None or context.num_replicas_in_sync == 1:
+        return partial
+    rows, dropped = context.all_reduce(tf.distribute.ReduceOp.SUM, [partial.rows, partial.dropped])
+    if not gathers:
+        values = context.all_reduce(tf.distribute.ReduceOp.SUM, list(partial.values))
+        return Partial(list(values), rows, None, dropped)
+    values = [context.all_gather(v, axis=0) for v in partial.values]
+    include = context.all_gather(partial.include, axis=0)
+    return Partial(values, rows, include, dropped)
+
+
+# -- helpers shared by the aggregator modules ------------------------------------------------------
+
+def linear_local(coefficients: Callable[[list, Batch], Any], needs_norms: bool):
+    """``local`` for ``sum_i c_i g_i`` with ``c = coefficients(squared_norms, batch)``.
+
+    ``squared_norms`` is the list of per-variable ``||g_i[var]||^2`` (``None`` when
+    ``needs_norms`` is false). Non-finite examples are dropped (see
+    :func:`pergrad.aggregate.examples.finite_examples`): their coefficient is 0 and their rows are
+    zeroed before summing, so a NaN cannot leak through ``0 * NaN``.
+    """
+
+    def local(result, batch: Batch) -> Partial:
+        rows = tf.cast(result.batch_size, result.norm_dtype)
+        if needs_norms:
+            squared = result.squared_norms()
+            return _linear_with_norms(result, batch, squared, rows)
+        ones = tf.ones([result.batch_size], result.norm_dtype)
+        sums = result.weighted_sum(coefficients(None, batch) * ones)
+        finite = tf.reduce_all([tf.reduce_all(tf.math.is_finite(s)) for s in sums])
+
+        def fast():
+            return [tf.identity(s) for s in sums], tf.zeros([], rows.dtype)
+
+        def slow():
+            partial = _linear_with_norms(result, batch, result.squared_norms(), rows)
+            return list(partial.values), partial.dropped
+
+        values, dropped = tf.cond(finite, fast, slow)
+        return Partial(list(values), rows, None, dropped)
+
+    def _linear_with_norms(result, batch, squared, rows) -> Partial:
+        keep = finite_examples(result, squared, batch)
+        dropped = tf.reduce_sum(1.0 - tf.cast(keep, rows.dtype))
+        zero = tf.zeros_like(squared[0])
+        clean = [tf.where(keep, s, zero) for s in squared]
+        c = coefficients(clean if needs_norms else None, batch)
+        if isinstance(c, (list, tuple)):
+            c = [tf.where(keep, ci, tf.zeros_like(ci)) for ci in c]
+        else:
+            c = tf.where(keep, c * tf.ones_like(zero), zero)
+
+        def as_is():
+            return [tf.identity(s) for s in result.weighted_sum(c)]
+
+        def with_rows_zeroed():
+            return masked(result, keep).weighted_sum(c)
+
+        values = tf.cond(tf.reduce_all(keep), as_is, with_rows_zeroed)
+        return Partial(list(values), rows, None, dropped)
+
+    return local
+
+
+def gathering_local(result, batch: Batch) -> Partial:
+    """``local`` for order statistics: all ``g_i`` (zeroed where not included) and the mask."""
+    rows = tf.cast(result.batch_size, result.norm_dtype)
+    squared = result.squared_norms()
+    keep = finite_examples(result, squared, batch)
+    dropped = tf.reduce_sum(1.0 - tf.cast(keep, rows.dtype))
+    include = tf.logical_and(keep, batch.nonzero_weight)
+    values = []
+    for g in result.gradients():
+        mask = tf.reshape(include, [-1] + [1] * (g.shape.rank - 1))
+        values.append(tf.where(mask, g, tf.zeros_like(g)))
+    return Partial(values, rows, tf.cast(include, rows.dtype), dropped)

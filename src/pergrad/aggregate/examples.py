@@ -1,0 +1,126 @@
+"""Which examples of a batch count, and views of a :class:`PerExampleResult` that mask or scale.
+
+**Non-finite examples.** An example whose loss is NaN/inf, or whose gradient norm is, is
+*dropped*: it gets coefficient 0 and its rows are zeroed before any sum, so one bad example
+cannot poison the update (``0 * NaN`` is NaN, so a zero coefficient alone would not do). The
+number dropped is reported (``PerExampleModel`` logs it as ``dropped_examples``).
+
+Under dynamic loss scaling (``Batch.loss_scaled``) an infinite gradient with a finite loss is
+the overflow signal the loss-scale optimizer needs to skip the step and lower the scale, so
+such examples are *kept* (the update becomes non-finite and the optimizer skips it, as in plain
+Keras); only examples with a non-finite loss are dropped.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+import tensorflow as tf
+
+from pergrad.engine import PerExampleResult
+
+
+@dataclass(frozen=True)
+class Batch:
+    """Per-batch facts an aggregator may use besides the gradients.
+
+    Attributes:
+        nonzero_weight: ``(B,)`` bool, ``sample_weight != 0`` (all true without weights).
+            Order statistics leave out zero-weight rows (e.g. Poisson padding).
+        loss_scaled: the gradients come from a loss-scaled backward pass (see module doc).
+    """
+
+    nonzero_weight: tf.Tensor
+    loss_scaled: bool = False
+
+    @staticmethod
+    def of(result: PerExampleResult, sample_weight=None, loss_scaled: bool = False) -> Batch:
+        if sample_weight is None:
+            nonzero = tf.ones([result.batch_size], tf.bool)
+        else:
+            w = tf.convert_to_tensor(sample_weight)
+            w = tf.reshape(w, [tf.shape(w)[0], -1])
+            nonzero = tf.reduce_any(tf.not_equal(w, tf.zeros([], w.dtype)), axis=1)
+        return Batch(nonzero, loss_scaled)
+
+
+def finite_examples(result: PerExampleResult, squared_norms: list, batch: Batch) -> tf.Tensor:
+    """``(B,)`` bool: the examples that are not dropped (see the module docstring)."""
+    finite_loss = tf.math.is_finite(result.losses)
+    if batch.loss_scaled:
+        return finite_loss
+    finite_grad = tf.math.is_finite(tf.add_n(squared_norms))
+    return tf.logical_and(finite_loss, finite_grad)
+
+
+def masked(result: PerExampleResult, keep: tf.Tensor) -> PerExampleResult:
+    """``result`` with the rows of examples where ``keep`` is false set to zero.
+
+    Workaround: the engine has no masking API, so this relies on the gradient forms being
+    dataclasses whose floating-point tensor fields all have the batch as their first axis
+    (true for ``Factored``, ``Materialized`` and ``Rows``). Anything else is materialized.
+    """
+    forms = [None if f is None else _masked_form(f, keep) for f in result.forms]
+    losses = tf.where(keep, result.losses, tf.zeros_like(result.losses))
+    return PerExampleResult(result.variables, forms, losses, result.predictions)
+
+
+def _zero_rows(t: tf.Tensor, keep: tf.Tensor) -> tf.Tensor:
+    mask = tf.reshape(keep, [-1] + [1] * (t.shape.rank - 1))
+    return tf.where(mask, t, tf.zeros_like(t))
+
+
+def _masked_form(form, keep: tf.Tensor):
+    if isinstance(form, _Scaled):
+        return _Scaled(_masked_form(form.inner, keep), form.factor)
+    if dataclasses.is_dataclass(form):
+        changes = {f.name: _zero_rows(getattr(form, f.name), keep)
+                   for f in dataclasses.fields(form)
+                   if isinstance(getattr(form, f.name), tf.Tensor)
+                   and getattr(form, f.name).dtype.is_floating
+                   and getattr(form, f.name).shape.rank}
+        return dataclasses.replace(form, **changes)
+    from pergrad.rules.forms import Materialized
+    return Materialized(form.variable, _zero_rows(form.materialize(), keep))
+
+
+class _Scaled:
+    """A form whose gradients are ``factor`` times those of ``inner`` (loss-scale removal)."""
+
+    def __init__(self, inner, factor: tf.Tensor) -> None:
+        self.inner, self.factor, self.variable = inner, factor, inner.variable
+
+    def _f(self, t: tf.Tensor) -> tf.Tensor:
+        return t * tf.cast(self.factor, t.dtype)
+
+    def _f2(self, t: tf.Tensor) -> tf.Tensor:
+        return t * tf.cast(self.factor, t.dtype) ** 2
+
+    def materialize(self):
+        return self._f(self.inner.materialize())
+
+    def squared_norms(self):
+        return self._f2(self.inner.squared_norms())
+
+    def dots(self, vector):
+        return self._f(self.inner.dots(vector))
+
+    def weighted_sum(self, coefficients):
+        return self._f(self.inner.weighted_sum(coefficients))
+
+    def gram(self):
+        return self._f2(self.inner.gram())
+
+
+def scaled(result: PerExampleResult, factor) -> PerExampleResult:
+    """A view of ``result`` whose gradients and losses are multiplied by ``factor``.
+
+    ``PerExampleModel`` runs the backward pass on ``S * loss`` (loss scaling) and hands
+    aggregators and monitors ``scaled(result, 1 / S)``: every quantity is then the unscaled one,
+    computed in the forms' own (float32) precision.
+    """
+    factor = tf.convert_to_tensor(factor)
+    forms = [None if f is None else _Scaled(f, factor) for f in result.forms]
+    losses = result.losses * tf.cast(factor, result.losses.dtype)
+    return PerExampleResult(result.variables, forms, losses, result.predictions)

@@ -1,0 +1,129 @@
+"""Aggregators that are weighted sums of per-example gradients: they need only the norms.
+
+Each is ``update = (1 / D) * (sum_i c_i g_i + noise)``, with ``c_i`` a function of the
+per-example norms ``||g_i||`` and ``D`` the number of rows ``B`` of the (global) batch. ``sum_i
+c_i g_i`` comes from ``PerExampleResult.weighted_sum``: no ``(B, *var.shape)`` tensor is built for
+layers with rules. Dropped (non-finite) examples have ``c_i = 0``.
+
+The sample weights ``w_i`` are inside ``g_i`` already (``g_i`` is the gradient of ``w_i l_i``),
+and ``D = B`` counts every row, so ``mean()`` is exactly Keras's ``sum_over_batch_size`` loss.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+
+import tensorflow as tf
+
+from pergrad.aggregate.base import Aggregator, Partial, linear_local, register
+
+
+def _check_positive(name: str, value) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) \
+            or value <= 0:
+        raise ValueError(f"{name} must be a finite number > 0, got {value!r}.")
+    return float(value)
+
+
+def _divide(partial: Partial, divisor=None) -> list:
+    values = partial.values
+    d = partial.rows if divisor is None else divisor
+    return [v / tf.cast(d, v.dtype) for v in values]
+
+
+def _clip_coefficients(l2_norm_clip: float, per_layer: bool):
+    def coefficients(squared, batch):
+        if per_layer:
+            clip = l2_norm_clip / math.sqrt(len(squared))
+            return [_clip(s, clip) for s in squared]
+        return _clip(tf.add_n(squared), l2_norm_clip)
+    return coefficients
+
+
+def _clip(squared: tf.Tensor, clip: float) -> tf.Tensor:
+    """``min(1, C / ||g_i||)`` (1 for a zero gradient)."""
+    norms = tf.sqrt(squared)
+    return tf.minimum(tf.ones_like(norms), clip / tf.maximum(norms, tf.cast(1e-30, norms.dtype)))
+
+
+@register
+def mean() -> Aggregator:
+    """``(1/B) sum_i g_i``: the ordinary batch gradient (Keras's ``sum_over_batch_size``)."""
+    return Aggregator("mean", {}, linear_local(lambda s, b: 1.0, needs_norms=False),
+                      lambda p, step: _divide(p))
+
+
+@register
+def sum() -> Aggregator:  # noqa: A001 - the name users expect, as in ``optax``/``keras.ops``
+    """``sum_i g_i``."""
+    return Aggregator("sum", {}, linear_local(lambda s, b: 1.0, needs_norms=False),
+                      lambda p, step: list(p.values))
+
+
+@register
+def clip_mean(l2_norm_clip: float, per_layer: bool = False) -> Aggregator:
+    """``(1/B) sum_i min(1, C / ||g_i||) g_i`` with ``C = l2_norm_clip``.
+
+    With ``per_layer=True`` each variable ``k`` (of ``K``) is clipped on its own to
+    ``C_k = C / sqrt(K)``: ``(1/B) sum_i min(1, C_k / ||g_i[k]||) g_i[k]``, so that the whole
+    clipped gradient still has norm at most ``C``.
+    """
+    clip = _check_positive("l2_norm_clip", l2_norm_clip)
+    return Aggregator("clip_mean", {"l2_norm_clip": clip, "per_layer": bool(per_layer)},
+                      linear_local(_clip_coefficients(clip, bool(per_layer)), needs_norms=True),
+                      lambda p, step: _divide(p))
+
+
+@register
+def dp_mean(l2_norm_clip: float, noise_multiplier: float, seed: int | None = None,
+            expected_batch_size: int | None = None) -> Aggregator:
+    """DP-SGD (Abadi et al. 2016): ``(1/D) (sum_i min(1, C/||g_i||) g_i + N(0, (C sigma)^2 I))``.
+
+    ``C = l2_norm_clip``, ``sigma = noise_multiplier``. The divisor ``D`` is
+    ``expected_batch_size`` when given (the convention of TF Privacy and Opacus for Poisson
+    sampling, where the real batch size is random and must not leak: pass the ``batch_size``
+    you gave :func:`pergrad.privacy.poisson_batches`), else the number of rows ``B`` of the
+    global batch (fixed-size batches, as TF Privacy's DP optimizers). Padding rows (weight 0)
+    have ``g_i = 0`` and add nothing.
+
+    The noise is one draw per global step, from a stateless generator keyed by ``(seed, step)``;
+    under ``tf.distribute`` every replica draws the same numbers, so it is added once. With
+    ``seed=None`` a random seed is drawn from the operating system when the aggregator is built.
+    """
+    clip = _check_positive("l2_norm_clip", l2_norm_clip)
+    if isinstance(noise_multiplier, bool) or not isinstance(noise_multiplier, (int, float)) \
+            or not math.isfinite(noise_multiplier) or noise_multiplier < 0:
+        raise ValueError(f"noise_multiplier must be a finite number >= 0, got {noise_multiplier!r}.")
+    if expected_batch_size is not None:
+        expected_batch_size = int(_check_positive("expected_batch_size", expected_batch_size))
+    sigma = float(noise_multiplier)
+    base_seed = random.SystemRandom().getrandbits(62) if seed is None else int(seed)
+    stddev = clip * sigma
+
+    def finalize(partial: Partial, step) -> list:
+        values = list(partial.values)
+        if stddev > 0:
+            key = tf.stack([tf.constant(base_seed, tf.int64), tf.cast(step, tf.int64)])
+            keys = tf.random.experimental.stateless_split(key, num=len(values))
+            values = [v + tf.random.stateless_normal(tf.shape(v), keys[k], stddev=stddev,
+                                                     dtype=v.dtype)
+                      for k, v in enumerate(values)]
+        return _divide(partial._replace(values=values), expected_batch_size)
+
+    config = {"l2_norm_clip": clip, "noise_multiplier": sigma, "seed": seed,
+              "expected_batch_size": expected_batch_size}
+    return Aggregator("dp_mean", config,
+                      linear_local(_clip_coefficients(clip, False), needs_norms=True), finalize)
+
+
+@register
+def normalized_mean(gamma: float = 0.01) -> Aggregator:
+    """Automatic clipping (Bu et al. 2023): ``(1/B) sum_i g_i / (||g_i|| + gamma)``."""
+    gamma = _check_positive("gamma", gamma)
+
+    def coefficients(squared, batch):
+        return 1.0 / (tf.sqrt(tf.add_n(squared)) + gamma)
+
+    return Aggregator("normalized_mean", {"gamma": gamma},
+                      linear_local(coefficients, needs_norms=True), lambda p, step: _divide(p))

@@ -1,0 +1,110 @@
+"""Aggregators that need every per-example gradient: coordinate-wise order statistics, custom.
+
+These materialize ``g_i`` (``(B, *var.shape)`` per variable). Only the ``n`` *included*
+examples count: finite, and of nonzero sample weight (so Poisson padding rows are left out).
+Under ``tf.distribute`` the per-example gradients of all replicas are gathered
+(``all_gather``), so the statistic is over the global batch and matches one device.
+"""
+
+from __future__ import annotations
+
+import math
+
+import tensorflow as tf
+
+from pergrad.aggregate.base import Aggregator, Partial, gathering_local, register
+
+
+def _sorted_included(v: tf.Tensor, include: tf.Tensor) -> tf.Tensor:
+    """``v`` sorted along the examples axis, excluded rows moved to the end (as ``+inf``)."""
+    mask = tf.reshape(include > 0, [-1] + [1] * (v.shape.rank - 1))
+    return tf.sort(tf.where(mask, v, tf.fill(tf.shape(v), tf.constant(math.inf, v.dtype))), axis=0)
+
+
+def _count(include: tf.Tensor) -> tf.Tensor:
+    return tf.cast(tf.reduce_sum(include), tf.int32)
+
+
+@register
+def median() -> Aggregator:
+    """Coordinate-wise median of the included ``g_i``: for every coordinate ``j``,
+    ``median_i g_i[j]`` (the mean of the two middle values when ``n`` is even; 0 if ``n = 0``).
+    """
+
+    def finalize(partial: Partial, step) -> list:
+        n = _count(partial.include)
+        lo, hi = tf.maximum((n - 1) // 2, 0), tf.maximum(n // 2, 0)
+        out = []
+        for v in partial.values:
+            s = _sorted_included(v, partial.include)
+            m = 0.5 * (tf.gather(s, lo) + tf.gather(s, hi))
+            out.append(tf.where(n > 0, m, tf.zeros_like(m)))
+        return out
+
+    return Aggregator("median", {}, gathering_local, finalize, gathers=True)
+
+
+@register
+def trimmed_mean(fraction: float) -> Aggregator:
+    """Coordinate-wise trimmed mean: for every coordinate, drop the ``k = floor(fraction * n)``
+    smallest and ``k`` largest of the ``n`` included values and average the other ``n - 2k``.
+    ``fraction`` must lie in ``[0, 0.5)``; ``fraction=0`` is the mean over included examples.
+    """
+    if isinstance(fraction, bool) or not isinstance(fraction, (int, float)) \
+            or not 0 <= fraction < 0.5:
+        raise ValueError(f"fraction must be in [0, 0.5), got {fraction!r}.")
+    fraction = float(fraction)
+
+    def finalize(partial: Partial, step) -> list:
+        n = _count(partial.include)
+        k = tf.cast(tf.floor(fraction * tf.cast(n, tf.float64)), tf.int32)
+        out = []
+        for v in partial.values:
+            s = _sorted_included(v, partial.include)
+            position = tf.reshape(tf.range(tf.shape(v)[0]), [-1] + [1] * (v.shape.rank - 1))
+            window = tf.logical_and(position >= k, position < n - k)
+            total = tf.reduce_sum(tf.where(window, s, tf.zeros_like(s)), axis=0)
+            out.append(total / tf.cast(tf.maximum(n - 2 * k, 1), v.dtype))
+        return out
+
+    return Aggregator("trimmed_mean", {"fraction": fraction}, gathering_local, finalize,
+                      gathers=True)
+
+
+@register
+def custom(fn) -> Aggregator:
+    """``fn(per_example_grads, norms) -> grads``: any function of all per-example gradients.
+
+    ``per_example_grads`` is a list aligned with the trainable variables, each ``(B, *var.shape)``
+    (rows of dropped or zero-weight examples are zero); ``norms`` is ``||g_i||``, ``(B,)``. ``fn``
+    must return one tensor per variable with the variable's shape, traceable by ``tf.function``.
+    To save a model that uses it, register ``fn`` with
+    ``keras.saving.register_keras_serializable``.
+    """
+    if not callable(fn):
+        raise TypeError(f"custom(fn) needs a callable, got {fn!r}.")
+
+    def finalize(partial: Partial, step) -> list:
+        values = list(partial.values)
+        squared = [tf.reduce_sum(tf.reshape(tf.square(tf.cast(v, tf.float32)
+                                                      if v.dtype.size < 4 else v),
+                                            [tf.shape(v)[0], -1]), axis=1) for v in values]
+        dtype = squared[0].dtype
+        norms = tf.sqrt(tf.add_n([tf.cast(s, dtype) for s in squared]))
+        out = fn(values, norms)
+        out = list(out) if isinstance(out, (list, tuple)) else [out]
+        if len(out) != len(values):
+            raise ValueError(f"The custom aggregator {getattr(fn, '__name__', fn)!r} returned "
+                             f"{len(out)} tensors for {len(values)} trainable variables; return "
+                             "one gradient per variable, aligned with model.trainable_variables.")
+        checked = []
+        for k, (g, v) in enumerate(zip(out, values, strict=True)):
+            g = tf.convert_to_tensor(g)
+            if tuple(g.shape) != tuple(v.shape[1:]):
+                raise ValueError(f"The custom aggregator {getattr(fn, '__name__', fn)!r} returned "
+                                 f"shape {tuple(g.shape)} for variable {k}, expected "
+                                 f"{tuple(v.shape[1:])} (the variable's shape).")
+            checked.append(tf.cast(g, v.dtype))
+        return checked
+
+    return Aggregator("custom", {"fn": fn}, gathering_local, finalize, gathers=True)

@@ -1,0 +1,370 @@
+"""``PerExampleModel``: ``model.fit`` whose update aggregates per-example gradients.
+
+The train step, for a batch ``(x_i, y_i, w_i)`` of ``B`` rows:
+
+1. one forward and one backward pass of ``S * sum_i w_i l_i`` through the engine
+   (``l_i`` the compiled loss of example ``i``, ``S`` the optimizer's loss scale, 1 without);
+2. the aggregator's ``local`` on the unscaled per-example gradients, ``cross_replica`` under
+   ``tf.distribute``, ``finalize`` (DP noise is drawn here, once per global step);
+3. plus the gradient of the weight-regularization losses (they belong to no example);
+4. ``optimizer.apply``; loss and compiled metrics are updated as Keras does.
+"""
+
+from __future__ import annotations
+
+import inspect
+from typing import Any
+
+import keras
+import tensorflow as tf
+
+from pergrad import aggregate
+from pergrad.engine import PerExample
+
+INDEX_KEY = "example_index"
+"""Key of an ``x`` dict entry holding each example's dataset index (int, ``(B,)``).
+
+It is removed from ``x`` before the model is called and handed to the monitor as ``indices``.
+"""
+
+_MEAN_REDUCTIONS = ("sum_over_batch_size", "mean", "none", None)
+
+
+def _floatx_dtype(dtype) -> tf.DType:
+    return tf.as_dtype(keras.config.floatx() if dtype is None else dtype)
+
+
+def _scalar_loss_error(name: str) -> ValueError:
+    return ValueError(
+        f"The loss {name!r} returned a scalar, but PerExampleModel needs one loss per example, "
+        "shape (batch,). Pass a Keras loss object or name, or write the function without the "
+        "reduction over the batch, e.g. `lambda y, p: keras.ops.mean(keras.ops.square(y - p), "
+        "axis=-1)`."
+    )
+
+
+def _leaf_loss(loss) -> Any:
+    """``fn(y_true, y_pred) -> (B,)`` for one output, matching Keras's batch reduction:
+    Keras's ``sum_over_batch_size`` averages over every non-batch axis, so ``l_i`` does too."""
+    if loss is None:
+        return None
+    if isinstance(loss, str):
+        if loss.lower() in ("crossentropy", "ce"):
+            raise ValueError(f"loss={loss!r} is ambiguous for PerExampleModel; name it: "
+                             "'binary_crossentropy', 'categorical_crossentropy' or "
+                             "'sparse_categorical_crossentropy'.")
+        loss = keras.losses.get(loss)
+    if isinstance(loss, keras.losses.Loss):
+        if loss.reduction not in _MEAN_REDUCTIONS:
+            raise ValueError(f"Loss {loss.name!r} has reduction={loss.reduction!r}; "
+                             "PerExampleModel averages per-example losses over the batch like "
+                             "'sum_over_batch_size' does. Use that reduction (the default).")
+        fn, dtype, name = loss.call, _floatx_dtype(loss.dtype), loss.name
+    elif callable(loss):
+        fn, dtype, name = loss, _floatx_dtype(None), getattr(loss, "__name__", repr(loss))
+    else:
+        raise TypeError(f"loss must be a Keras loss, a loss name or a callable; got {loss!r}.")
+
+    def per_example(y_true, y_pred):
+        # As keras.losses.Loss.__call__: both converted to the loss dtype (float32 under mixed
+        # precision), then the unreduced values averaged over all but the batch axis.
+        y_pred = tf.cast(y_pred, dtype)
+        y_true = tf.cast(y_true, dtype)
+        values = tf.convert_to_tensor(fn(y_true, y_pred))
+        if values.shape.rank == 0:
+            raise _scalar_loss_error(name)
+        if values.shape.rank > 1:
+            values = tf.reduce_mean(values, axis=list(range(1, values.shape.rank)))
+        return values
+
+    return per_example
+
+
+def compiled_per_example_loss(loss, loss_weights, output_names):
+    """The compiled ``loss``/``loss_weights`` as ``fn(y_true, y_pred) -> (B,)`` with
+    ``mean_i fn(...)_i`` equal to Keras's compiled loss (regularization aside).
+
+    ``loss`` may be a name, a ``keras.losses.Loss``, a callable, or a list/dict of those per
+    output (dict keys are output names); ``loss_weights`` a float or a matching list/dict.
+    """
+    if loss is None:
+        raise ValueError("PerExampleModel needs a loss: pass `loss=` to compile().")
+    names = list(output_names or [])
+
+    if isinstance(loss, dict):
+        keys = list(loss)
+        weights = loss_weights or {}
+        terms = [(k, _leaf_loss(loss[k]), float(weights.get(k, 1.0))) for k in keys]
+    elif isinstance(loss, (list, tuple)):
+        weights = loss_weights or [1.0] * len(loss)
+        terms = [(i, _leaf_loss(lo), float(w)) for i, (lo, w) in enumerate(zip(loss, weights,
+                                                                              strict=True))]
+    else:
+        weight = 1.0 if loss_weights is None else loss_weights
+        if isinstance(weight, (list, tuple, dict)):
+            weight = tf.nest.flatten(weight)[0]
+        leaf = _leaf_loss(loss)
+        terms = None
+
+    def pick(structure, key, what):
+        if isinstance(structure, dict):
+            if key in structure:
+                return structure[key]
+            raise ValueError(f"No {what} named {key!r}; got {sorted(structure)}.")
+        flat = tf.nest.flatten(structure)
+        if isinstance(key, str):
+            if key not in names:
+                raise ValueError(f"Loss dict key {key!r} is not a model output; outputs are "
+                                 f"{names}.")
+            key = names.index(key)
+        if key >= len(flat):
+            raise ValueError(f"The loss has more entries than the model has {what}s "
+                             f"({len(flat)}).")
+        return flat[key]
+
+    def fn(y_true, y_pred):
+        if terms is None:
+            preds = tf.nest.flatten(y_pred)
+            trues = tf.nest.flatten(y_true)
+            if len(trues) != len(preds):
+                raise ValueError(f"The model has {len(preds)} outputs but y has {len(trues)} "
+                                 "parts; pass one target per output.")
+            parts = [leaf(t, p) for t, p in zip(trues, preds, strict=True)]
+            total = tf.add_n(parts) if len(parts) > 1 else parts[0]
+            return total * tf.cast(weight, total.dtype) if weight != 1.0 else total
+        parts = []
+        for key, leaf_fn, w in terms:
+            if leaf_fn is None:
+                continue
+            value = leaf_fn(pick(y_true, key, "target"), pick(y_pred, key, "output"))
+            parts.append(value * tf.cast(w, value.dtype) if w != 1.0 else value)
+        return tf.add_n(parts)
+
+    return fn
+
+
+def _split_indices(x):
+    if isinstance(x, dict) and INDEX_KEY in x:
+        x = dict(x)
+        indices = x.pop(INDEX_KEY)
+        if len(x) == 1:
+            (x,) = x.values()
+        return x, indices
+    return x, None
+
+
+def _rows_finite(structure, batch) -> tf.Tensor:
+    keep = tf.ones([batch], tf.bool)
+    for t in tf.nest.flatten(structure):
+        if t is None or not t.dtype.is_floating:
+            continue
+        flat = tf.reshape(t, [batch, -1])
+        keep = tf.logical_and(keep, tf.reduce_all(tf.math.is_finite(flat), axis=1))
+    return keep
+
+
+def _zero_rows(structure, keep):
+    def zero(t):
+        if t is None or not t.dtype.is_floating:
+            return t
+        mask = tf.reshape(keep, [-1] + [1] * (t.shape.rank - 1))
+        return tf.where(mask, t, tf.zeros_like(t))
+    return tf.nest.map_structure(zero, structure)
+
+
+@keras.saving.register_keras_serializable(package="pergrad")
+class PerExampleModel(keras.Model):
+    """A Keras model whose ``fit`` aggregates per-example gradients with ``aggregator``.
+
+    ``compile``, ``fit``, ``evaluate``, ``predict``, ``summary``, ``save`` behave as in Keras.
+    The update is ``aggregator(g_1, ..., g_B) + grad(regularization)``, where ``g_i`` is the
+    gradient of example ``i``'s (sample-weighted) compiled loss. With ``aggregate.mean()`` that is
+    exactly Keras's own gradient. The loss and metrics reported are Keras's; the number of
+    examples dropped for a non-finite loss or gradient is logged as ``dropped_examples``.
+
+    Args:
+        model: the inner Keras model (``.model``); it must not mix examples
+            (no BatchNormalization in training mode).
+        aggregator: a :mod:`pergrad.aggregate` aggregator (or its ``serialize`` dict).
+        monitor: optional object with ``compute(result, indices=, sample_weight=) -> dict`` of
+            scalar tensors merged into the logs (``pergrad.keras.GradientMonitor``); if it is a
+            Keras callback, ``fit`` adds it to the callbacks. Not saved with the model.
+
+    Weight regularizers are added once to the aggregated gradient (they belong to no example).
+    Losses added in ``call`` (``add_loss``, activity regularizers) are refused: they would be
+    neither per example nor differentiated.
+    """
+
+    def __init__(self, model: keras.Model, aggregator: aggregate.Aggregator | dict | None = None,
+                 monitor: Any = None, **kwargs) -> None:
+        super().__init__(**kwargs)
+        if not isinstance(model, keras.layers.Layer):
+            raise TypeError(f"model must be a Keras model, got {type(model).__name__}.")
+        self.model = model
+        self.aggregator = aggregate.mean() if aggregator is None \
+            else aggregate.deserialize(aggregator)
+        self.monitor = monitor
+        self.dropped_examples = keras.metrics.Sum(name="dropped_examples")
+        self._per_example: PerExample | None = None
+        self._per_example_loss = None
+        self._loss_scale = None
+
+    # -- Keras plumbing -----------------------------------------------------------------------------
+    def call(self, inputs, training=None):
+        inputs, _ = _split_indices(inputs)
+        return self.model(inputs, training=training)
+
+    def compile(self, optimizer="rmsprop", loss=None, loss_weights=None, **kwargs) -> None:
+        """As ``keras.Model.compile``; the loss is used per example."""
+        super().compile(optimizer=optimizer, loss=loss, loss_weights=loss_weights, **kwargs)
+        output_names = getattr(self.model, "output_names", None)
+        self._per_example_loss = compiled_per_example_loss(loss, loss_weights, output_names)
+        self._per_example = None
+
+    def get_compile_config(self):
+        return super().get_compile_config()
+
+    def compile_from_config(self, config) -> None:
+        config = keras.saving.deserialize_keras_object(config)
+        self.compile(**config)
+        if getattr(self, "optimizer", None) is not None and self.built:
+            self.optimizer.build(self.trainable_variables)
+
+    def fit(self, *args, **kwargs):
+        if isinstance(self.monitor, keras.callbacks.Callback):
+            bound = inspect.signature(keras.Model.fit).bind_partial(self, *args, **kwargs)
+            callbacks = list(bound.arguments.get("callbacks") or [])
+            if not any(c is self.monitor for c in callbacks):
+                callbacks.append(self.monitor)
+            bound.arguments["callbacks"] = callbacks
+            args, kwargs = bound.args[1:], bound.kwargs
+        return super().fit(*args, **kwargs)
+
+    def get_config(self) -> dict:
+        return {
+            "name": self.name,
+            "trainable": self.trainable,
+            "model": keras.saving.serialize_keras_object(self.model),
+            "aggregator": aggregate.serialize(self.aggregator),
+        }
+
+    @classmethod
+    def from_config(cls, config: dict, custom_objects=None):
+        config = dict(config)
+        model = keras.saving.deserialize_keras_object(config.pop("model"),
+                                                      custom_objects=custom_objects)
+        return cls(model, **config)
+
+    # -- training -----------------------------------------------------------------------------------
+    def per_example(self) -> PerExample:
+        """The engine used by ``train_step`` (built on first use from the compiled loss)."""
+        if self._per_example is None:
+            if self._per_example_loss is None:
+                raise ValueError("Call compile(loss=...) before training a PerExampleModel.")
+            base = self._per_example_loss
+
+            def scaled_loss(y_true, y_pred):
+                values = base(y_true, y_pred)
+                if self._loss_scale is None:
+                    return values
+                return values * tf.cast(self._loss_scale, values.dtype)
+
+            self._per_example = PerExample(self.model, scaled_loss, training=True)
+        return self._per_example
+
+    def _current_loss_scale(self):
+        """``S`` such that ``optimizer.apply`` divides gradients by ``S`` (or ``None``)."""
+        optimizer = self.optimizer
+        scaled = isinstance(optimizer, keras.optimizers.LossScaleOptimizer) \
+            or getattr(optimizer, "loss_scale_factor", None) is not None
+        if not scaled:
+            return None
+        return tf.cast(optimizer.scale_loss(tf.constant(1.0, tf.float32)), tf.float32)
+
+    def _regularization_gradients(self, variables: list) -> list | None:
+        regularized = [v for v in variables if getattr(v, "regularizer", None) is not None]
+        if not regularized:
+            return None
+        with tf.GradientTape() as tape:
+            total = tf.add_n([tf.cast(v.regularizer(v), tf.float32) for v in regularized])
+        grads = tape.gradient(total, [v.value for v in variables],
+                              unconnected_gradients=tf.UnconnectedGradients.ZERO)
+        return grads
+
+    def _check_no_call_losses(self, variables: list) -> None:
+        weight_losses = sum(getattr(v, "regularizer", None) is not None for v in variables)
+        if len(self.model.losses) > weight_losses:
+            raise ValueError(
+                "The model adds losses in call() (add_loss or an activity_regularizer). They are "
+                "computed from the whole batch, so PerExampleModel cannot split them into "
+                "per-example gradients; remove them or fold them into the per-example loss.")
+
+    def train_step(self, data):
+        x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
+        x, indices = _split_indices(x)
+        if isinstance(sample_weight, (dict, list, tuple)):
+            raise ValueError("PerExampleModel supports one sample weight per example, shape "
+                             "(batch,); got a structure of sample weights.")
+        engine = self.per_example()
+        scale = self._current_loss_scale()
+        self._loss_scale = scale
+        try:
+            result = engine.compute(x, y, sample_weight)
+        finally:
+            self._loss_scale = None
+        variables = result.variables
+        self._check_no_call_losses(variables)
+        if scale is not None:
+            result = aggregate.scaled(result, 1.0 / scale)
+
+        batch = aggregate.Batch.of(result, sample_weight, loss_scaled=scale is not None)
+        local = self.aggregator.local(result, batch)
+        total = aggregate.cross_replica(local, self.aggregator.gathers)
+        grads = self.aggregator.finalize(total, self.optimizer.iterations)
+        self._check_shapes(grads, variables)
+        regularization = self._regularization_gradients(variables)
+        if regularization is not None:
+            grads = [g + tf.cast(r, g.dtype) for g, r in zip(grads, regularization, strict=True)]
+        replicas = tf.distribute.get_strategy().num_replicas_in_sync
+        if replicas > 1:  # the optimizer sums over replicas what is already global
+            grads = [g / tf.cast(replicas, g.dtype) for g in grads]
+        if scale is not None:  # the optimizer divides by the loss scale
+            grads = [g * tf.cast(scale, g.dtype) for g in grads]
+        self.optimizer.apply(grads, variables)
+
+        logs = self._report(x, y, result, sample_weight, local.dropped, replicas)
+        if self.monitor is not None:
+            stats = self.monitor.compute(result, indices=indices, sample_weight=sample_weight)
+            logs = {**logs, **dict(stats)}
+        return logs
+
+    def _check_shapes(self, grads: list, variables: list) -> None:
+        if len(grads) != len(variables):
+            raise ValueError(f"The aggregator {self.aggregator.name!r} returned {len(grads)} "
+                             f"gradients for {len(variables)} trainable variables.")
+        for g, v in zip(grads, variables, strict=True):
+            if tuple(g.shape) != tuple(v.shape):
+                raise ValueError(f"The aggregator {self.aggregator.name!r} returned shape "
+                                 f"{tuple(g.shape)} for variable {v.path!r} of shape "
+                                 f"{tuple(v.shape)}.")
+
+    def _report(self, x, y, result, sample_weight, dropped, replicas) -> dict:
+        """Keras's loss and metrics, on predictions whose non-finite rows are zeroed and
+        weighted 0 (so a dropped example does not turn the reported loss into NaN)."""
+        batch = result.batch_size
+        keep = tf.logical_and(tf.math.is_finite(result.losses),
+                              _rows_finite(result.predictions, batch))
+        keep = tf.logical_and(keep, _rows_finite(y, batch))
+        y_pred = _zero_rows(result.predictions, keep)
+        y = _zero_rows(y, keep)
+        weight = tf.cast(keep, tf.float32)
+        if sample_weight is not None:
+            sw = tf.convert_to_tensor(sample_weight)
+            weight = tf.reshape(tf.cast(weight, sw.dtype), [-1] + [1] * (sw.shape.rank - 1))
+            weight = _zero_rows(sw, keep) * weight
+        loss = self._compute_loss(x=x, y=y, y_pred=y_pred, sample_weight=weight, training=True)
+        # Keras scales the per-replica loss by 1 / replicas; its tracker undoes that.
+        self._loss_tracker.update_state(loss * tf.cast(replicas, loss.dtype),
+                                        sample_weight=batch)
+        self.dropped_examples.update_state(dropped)
+        return self.compute_metrics(x, y, y_pred, sample_weight=weight)

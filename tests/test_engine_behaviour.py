@@ -1,0 +1,227 @@
+"""PerExample's contract beyond the numbers: errors, retracing, chunking, fallbacks, shortcuts."""
+
+from __future__ import annotations
+
+import warnings
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+import zoo
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from oracle import assert_close, loop_gradients
+
+import pergrad
+from pergrad.engine.losses import per_example_loss
+
+L = keras.layers
+
+
+def _oracle(case):
+    return loop_gradients(case.model, per_example_loss(case.loss), case.x, case.y,
+                          case.sample_weight)[0]
+
+
+def test_batchnorm_in_training_mode_is_refused_by_name():
+    inputs = keras.Input((4,))
+    outputs = L.Dense(2)(L.BatchNormalization(name="bn_block")(L.Dense(3)(inputs)))
+    pex = pergrad.PerExample(keras.Model(inputs, outputs), "mse", training=True)
+    with pytest.raises(pergrad.MixesExamplesError, match="bn_block.*GroupNormalization"):
+        pex.norms(np.ones((3, 4)), np.ones((3, 2)))
+
+
+def test_frozen_batchnorm_in_training_mode_is_fine(float64):
+    inputs = keras.Input((4,))
+    bn = L.BatchNormalization()
+    outputs = L.Dense(2)(bn(L.Dense(3)(inputs)))
+    bn.trainable = False
+    model = keras.Model(inputs, outputs)
+    x, y = np.random.default_rng(0).normal(size=(4, 4)), np.ones((4, 2))
+    got = pergrad.PerExample(model, "mse", training=True).gradients(x, y)
+    expected, _ = loop_gradients(model, per_example_loss("mse"), x, y, training=True)
+    for g, e in zip(got, expected, strict=True):
+        assert_close(g, e)
+
+
+def test_scalar_loss_gets_an_explanation():
+    model = keras.Sequential([keras.Input((3,)), L.Dense(2)])
+    pex = pergrad.PerExample(model, lambda y, p: tf.reduce_mean(tf.square(y - p)))
+    with pytest.raises(ValueError, match="one loss per example"):
+        pex.norms(np.ones((4, 3)), np.ones((4, 2)))
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    ({"strategy": "fast"}, "strategy must be one of"),
+    ({"memory_budget_bytes": 0}, "memory_budget_bytes must be positive"),
+])
+def test_bad_constructor_arguments(kwargs, match):
+    model = keras.Sequential([keras.Input((3,)), L.Dense(2)])
+    with pytest.raises(ValueError, match=match):
+        pergrad.PerExample(model, "mse", **kwargs)
+
+
+def test_bad_method_arguments():
+    model = keras.Sequential([keras.Input((3,)), L.Dense(2)])
+    pex = pergrad.PerExample(model, "mse")
+    x, y = np.ones((4, 3)), np.ones((4, 2))
+    with pytest.raises(ValueError, match="l2_norm_clip must be > 0"):
+        pex.clipped_sum(x, y, 0.0)
+    with pytest.raises(ValueError, match="expected \\(3, 2\\)"):
+        pex.dot(x, y, [np.ones((2, 3)), np.ones(2)])
+    with pytest.raises(ValueError, match="2 vectors for 2|1 vectors for 2"):
+        pex.dot(x, y, [np.ones((3, 2))])
+    with pytest.raises(ValueError, match="sample_weight has 3 entries for a batch of 4"):
+        pex.norms(x, y, sample_weight=np.ones(3))
+
+
+def test_no_retracing_for_new_data_of_the_same_shape():
+    case = zoo.mlp()
+    pex = pergrad.PerExample(case.model, case.loss)
+    rng = np.random.default_rng(3)
+    for _ in range(4):
+        x = rng.normal(size=(5, 6)).astype("float32")
+        y = rng.integers(0, 3, 5)
+        pex.gradients(x, y)
+        pex.norms(x, y)
+        pex.clipped_sum(x, y, 0.5 + rng.uniform())
+    assert pex.trace_counts == {"gradients": 1, "norms": 1, "clipped_sum": 1}
+    pex.norms(rng.normal(size=(7, 6)).astype("float32"), rng.integers(0, 3, 7))
+    pex.norms(rng.normal(size=(9, 6)).astype("float32"), rng.integers(0, 3, 9))
+    assert pex.trace_counts["norms"] <= 2  # one more trace, generalized to any batch size
+
+
+def test_memory_budget_chunks_give_the_same_results(float64):
+    case = zoo.conv2d(strides=2, padding="same")
+    full = pergrad.PerExample(case.model, case.loss).gradients(case.x, case.y)
+    params = sum(int(np.prod(v.shape)) for v in case.model.trainable_variables)
+    chunked = pergrad.PerExample(case.model, case.loss, memory_budget_bytes=2 * params * 8)
+    got = chunked.gradients(case.x, case.y)
+    assert chunked.trace_counts["gradients"] == 2  # chunks of 2 and the last chunk of 1
+    for g, f in zip(got, full, strict=True):  # equal up to the summation order of a smaller batch
+        assert_close(g, f, rtol=1e-12)
+
+
+class SortedScale(keras.layers.Layer):
+    """Sorts each example's scaled features: tf.sort has no vectorized (pfor) form."""
+
+    def build(self, input_shape):
+        self.scale = self.add_weight(shape=(input_shape[-1],), initializer="random_normal")
+
+    def call(self, x):
+        return tf.sort(x * self.scale, axis=-1)
+
+
+def test_unvectorizable_layer_falls_back_to_a_loop_and_warns_once(float64):
+    inputs = keras.Input((5,))
+    outputs = L.Dense(2)(SortedScale(name="sorted_scale")(inputs))
+    model = keras.Model(inputs, outputs)
+    x, y = np.random.default_rng(0).normal(size=(4, 5)), np.ones((4, 2))
+    pex = pergrad.PerExample(model, "mse")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        got = pex.gradients(x, y)
+        pex.norms(x, y)
+    messages = [str(w.message) for w in caught if "sorted_scale" in str(w.message)]
+    assert len(messages) == 1 and "per-example loop" in messages[0]
+    expected, _ = loop_gradients(model, per_example_loss("mse"), x, y)
+    for g, e in zip(got, expected, strict=True):
+        assert_close(g, e)
+
+
+def test_layer_inside_a_loop_is_reported_by_name():
+    class Looping(keras.Model):
+        def __init__(self):
+            super().__init__()
+            self.inner = L.Dense(2, name="looped_dense")
+
+        def call(self, x):
+            return tf.map_fn(lambda row: self.inner(row[None])[0], x)
+
+    model = Looping()
+    model(np.ones((2, 3)))
+    with pytest.raises(NotImplementedError, match="looped_dense"):
+        pergrad.PerExample(model, "mse").norms(np.ones((2, 3)), np.ones((2, 2)))
+
+
+def test_loss_variants(float64):
+    model = keras.Sequential([keras.Input((4, 3)), L.Dense(2)])
+    rng = np.random.default_rng(1)
+    x, y = rng.normal(size=(3, 4, 3)), rng.normal(size=(3, 4, 2))
+    by_object = pergrad.PerExample(model, keras.losses.MeanSquaredError()).losses(x, y)
+    by_name = pergrad.PerExample(model, "mean_squared_error").losses(x, y)
+    sequence = np.mean((model(x).numpy() - y) ** 2, axis=-1).sum(axis=1)  # (B, T) summed over T
+    assert_close(by_object, sequence)
+    assert_close(by_name, sequence)
+    # loss=None: the model's output is the per-example loss; y=None: loss gets y_pred alone.
+    assert_close(pergrad.PerExample(model, None).losses(x), model(x).numpy().sum(axis=(1, 2)))
+    own = pergrad.PerExample(model, lambda p: tf.reduce_sum(p ** 2, axis=[1, 2])).losses(x)
+    assert_close(own, (model(x).numpy() ** 2).sum(axis=(1, 2)))
+
+
+def test_shortcuts_and_vmap_grad(float64):
+    case = zoo.mlp()
+    expected = _oracle(case)
+    for g, e in zip(pergrad.per_example_gradients(case.model, case.loss, case.x, case.y),
+                    expected, strict=True):
+        assert_close(g, e)
+    flat = np.concatenate([e.reshape(len(e), -1) for e in expected], axis=1)
+    assert_close(pergrad.per_example_norms(case.model, case.loss, case.x, case.y),
+                 np.linalg.norm(flat, axis=1))
+
+    def loss(params, x, y):
+        hidden = tf.tanh(tf.linalg.matvec(params["w"], x, transpose_a=True) + params["b"])
+        return tf.reduce_sum((hidden - y) ** 2)
+
+    rng = np.random.default_rng(2)
+    params = {"w": rng.normal(size=(3, 2)), "b": rng.normal(size=2)}
+    xs, ys = rng.normal(size=(6, 3)), rng.normal(size=(6, 2))
+    grads = pergrad.vmap_grad(loss)(params, xs, ys)
+    for i in range(6):
+        with tf.GradientTape() as tape:
+            p = {k: tf.constant(v) for k, v in params.items()}
+            tape.watch(p)
+            value = loss(p, tf.constant(xs[i]), tf.constant(ys[i]))
+        one = tape.gradient(value, p)
+        assert_close(grads["w"][i], one["w"])
+        assert_close(grads["b"][i], one["b"])
+
+
+@settings(max_examples=12, deadline=None)
+@given(
+    kind=st.sampled_from(["dense", "conv"]),
+    d_in=st.integers(1, 4), d_out=st.integers(1, 4), steps=st.integers(1, 3),
+    kernel=st.integers(1, 3), stride=st.integers(1, 2), dilation=st.integers(1, 2),
+    padding=st.sampled_from(["valid", "same"]), size=st.integers(3, 6),
+    batch=st.integers(1, 4),
+)
+def test_random_dense_and_conv_shapes(kind, d_in, d_out, steps, kernel, stride, dilation,
+                                      padding, size, batch):
+    keras.config.set_floatx("float64")
+    keras.config.set_dtype_policy("float64")
+    try:
+        rng = np.random.default_rng(batch * 100 + size)
+        if kind == "dense":
+            shape = (steps, d_in)
+            layer = L.Dense(d_out, activation="tanh")
+        else:
+            if stride > 1 and dilation > 1:
+                dilation = 1  # Keras rejects strides > 1 with dilation > 1
+            if (size - (kernel - 1) * dilation) < 1:
+                size = (kernel - 1) * dilation + 1
+            shape = (size, size + 1, d_in)
+            layer = L.Conv2D(d_out, kernel, strides=stride, padding=padding,
+                             dilation_rate=dilation, activation="tanh")
+        inputs = keras.Input(shape)
+        model = keras.Model(inputs, L.Dense(2)(L.Flatten()(layer(inputs))))
+        x, y = rng.normal(size=(batch, *shape)), rng.normal(size=(batch, 2))
+        pex = pergrad.PerExample(model, "mse")
+        expected, _ = loop_gradients(model, per_example_loss("mse"), x, y)
+        for g, e in zip(pex.gradients(x, y), expected, strict=True):
+            assert_close(g, e)
+        flat = np.concatenate([e.reshape(batch, -1) for e in expected], axis=1)
+        assert_close(pex.norms(x, y), np.linalg.norm(flat, axis=1))
+    finally:
+        keras.config.set_floatx("float32")
+        keras.config.set_dtype_policy("float32")

@@ -1,0 +1,589 @@
+"""pergrad.jacobian: compiled Jacobians, JVPs, VJPs, HVPs and Hessians.
+
+Oracles: GradientTape.jacobian / batch_jacobian and central finite differences, in float64
+on random non-zero inputs.
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+import keras  # noqa: E402
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+import tensorflow as tf  # noqa: E402
+from hypothesis import given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+from pergrad.jacobian import (  # noqa: E402
+    hessian,
+    hvp,
+    jacfwd,
+    jacobian,
+    jacrev,
+    jvp,
+    trace_counts,
+    vjp,
+)
+
+F64 = tf.float64
+RTOL = 1e-6
+FD_RTOL = 1e-5
+
+
+def rand(*shape, seed=0, dtype=F64):
+    return tf.random.stateless_normal(shape, seed=[seed, 7], dtype=dtype)
+
+
+def close(a, b, rtol=RTOL, atol=None):
+    """Relative closeness, scaled by the reference's magnitude (entries may be ~0)."""
+    a, b = np.asarray(a), np.asarray(b)
+    assert a.shape == b.shape, (a.shape, b.shape)
+    scale = max(np.max(np.abs(b)), 1e-30)
+    np.testing.assert_allclose(a, b, rtol=rtol, atol=atol if atol is not None else rtol * scale)
+
+
+def assert_nested_close(a, b, rtol=RTOL):
+    tf.nest.assert_same_structure(a, b)
+    for x, y in zip(tf.nest.flatten(a), tf.nest.flatten(b), strict=True):
+        close(x, y, rtol)
+
+
+def central_fd(f, x, eps=1e-6):
+    """Finite-difference Jacobian of a single-tensor f: shape (*out, *in)."""
+    x = np.asarray(x, np.float64)
+    cols = []
+    for i in range(x.size):
+        d = np.zeros(x.size)
+        d[i] = eps
+        d = d.reshape(x.shape)
+        hi = np.asarray(f(tf.constant(x + d)))
+        lo = np.asarray(f(tf.constant(x - d)))
+        cols.append((hi - lo) / (2 * eps))
+    out_shape = cols[0].shape
+    return np.stack(cols, axis=-1).reshape(out_shape + x.shape)
+
+
+def tape_jacobian(f, x):
+    """Oracle: a while_loop of gradients (no pfor), independent of the vectorized code."""
+    with tf.GradientTape(persistent=True) as tape:
+        tape.watch(x)
+        y = f(x)
+    return tape.jacobian(y, x, experimental_use_pfor=False)
+
+
+def tape_batch_jacobian(f, x):
+    with tf.GradientTape(persistent=True) as tape:
+        tape.watch(x)
+        y = f(x)
+    return tape.batch_jacobian(y, x, experimental_use_pfor=False)
+
+
+def mlp(n_in=4, hidden=6, n_out=3, dropout=None):
+    layers = [keras.Input((n_in,), dtype="float64")]
+    layers.append(keras.layers.Dense(hidden, activation="tanh", dtype="float64"))
+    if dropout:
+        layers.append(keras.layers.Dropout(dropout, dtype="float64"))
+    layers.append(keras.layers.Dense(n_out, dtype="float64"))
+    keras.utils.set_random_seed(1)
+    return keras.Sequential(layers)
+
+
+def small_cnn():
+    keras.utils.set_random_seed(2)
+    return keras.Sequential(
+        [
+            keras.Input((6, 6, 2), dtype="float64"),
+            keras.layers.Conv2D(3, 3, activation="tanh", dtype="float64"),
+            keras.layers.Conv2D(2, 2, strides=2, activation="tanh", dtype="float64"),
+            keras.layers.Flatten(dtype="float64"),
+            keras.layers.Dense(4, dtype="float64"),
+        ]
+    )
+
+
+def nested_f(inp):
+    """Nested inputs {'a': (3,), 'b': (2, 2)} -> nested outputs (scalar, {'m': (2, 3)})."""
+    a, b = inp["a"], inp["b"]
+    s = tf.reduce_sum(tf.sin(a)) * tf.reduce_prod(b)
+    m = tf.tanh(tf.matmul(b, tf.reshape(a, (1, 3)) * tf.ones((2, 1), F64)))
+    return s, {"m": m}
+
+
+def nested_input(seed=0):
+    return {"a": rand(3, seed=seed), "b": rand(2, 2, seed=seed + 1)}
+
+
+# ---------------------------------------------------------------------------------------------
+# Correctness against tape.jacobian and finite differences
+
+
+@pytest.mark.parametrize("mode", ["rev", "fwd", "auto"])
+def test_mlp_full_jacobian_matches_tape_and_fd(mode):
+    model = mlp()
+    x = rand(2, 4, seed=3)  # not batched: the full (2, 3, 2, 4) Jacobian
+    jac = jacobian(model, mode=mode)
+    J = jac(x)
+    assert J.shape == (2, 3, 2, 4)
+    close(J, tape_jacobian(model, x))
+    close(J, central_fd(model, x), FD_RTOL)
+    assert jac.mode in ("rev", "fwd")
+
+
+@pytest.mark.parametrize("mode", ["rev", "fwd"])
+def test_cnn_input_jacobian_batched_matches_batch_jacobian_and_fd(mode):
+    model = small_cnn()
+    x = rand(3, 6, 6, 2, seed=4)
+    J = jacobian(model, mode=mode, batched=True)(x)
+    assert J.shape == (3, 4, 6, 6, 2)
+    close(J, tape_batch_jacobian(model, x))
+    close(J[1], central_fd(model, x[1:2])[0, :, 0], FD_RTOL)
+
+
+@pytest.mark.parametrize("mode", ["rev", "fwd", "auto"])
+def test_nested_inputs_and_outputs(mode):
+    x = nested_input()
+    J = jacobian(nested_f, mode=mode)(x)
+    # Outputs outer, inputs inner, like JAX.
+    assert J[0]["a"].shape == (3,) and J[0]["b"].shape == (2, 2)
+    assert J[1]["m"]["a"].shape == (2, 3, 3) and J[1]["m"]["b"].shape == (2, 3, 2, 2)
+    for out_index, out_key in [(0, None), (1, "m")]:
+        for in_key in ("a", "b"):
+
+            def leaf_fn(v, in_key=in_key, out_index=out_index, out_key=out_key):
+                y = nested_f({**x, in_key: v})[out_index]
+                return y if out_key is None else y[out_key]
+
+            block = J[out_index] if out_key is None else J[out_index][out_key]
+            close(block[in_key], tape_jacobian(leaf_fn, x[in_key]))
+            close(block[in_key], central_fd(leaf_fn, x[in_key]), FD_RTOL)
+
+
+def test_several_positional_args_and_argnums():
+    def f(a, b, scale):
+        return tf.tanh(a * b) * scale
+
+    a, b, scale = rand(3, seed=1), rand(3, seed=2), 1.5
+    jac_all = jacobian(f, argnums=(0, 1))
+    Ja, Jb = jac_all(a, b, scale)  # inner structure: the tuple of differentiated args
+    close(Ja, tape_jacobian(lambda v: f(v, b, scale), a))
+    close(Jb, tape_jacobian(lambda v: f(a, v, scale), b))
+    Jb_only = jacobian(f, argnums=1, mode="fwd")(a, b, scale)
+    close(Jb_only, Jb)
+    # Default: every positional arg, as one tuple-shaped structure.
+    Ja2, Jb2 = jacobian(lambda p, q: f(p, q, scale))(a, b)
+    close(Ja2, Ja)
+    close(Jb2, Jb)
+
+
+def test_non_square_fwd_and_rev_agree_and_auto_picks_cheaper():
+    w_tall = rand(3, 40, seed=5)
+    w_wide = rand(40, 3, seed=6)
+
+    def tall(x):  # 3 inputs -> 40 outputs: forward mode needs 3 JVPs, reverse 40 VJPs
+        return tf.tanh(tf.linalg.matvec(w_tall, x, transpose_a=True))
+
+    def wide(x):  # 40 inputs -> 3 outputs
+        return tf.tanh(tf.linalg.matvec(w_wide, x, transpose_a=True))
+
+    for f, n_in, expected in [(tall, 3, "fwd"), (wide, 40, "rev")]:
+        x = rand(n_in, seed=7)
+        auto = jacobian(f)
+        assert auto.mode is None and auto.mode_requested == "auto"
+        J = auto(x)
+        assert auto.mode == expected
+        close(jacfwd(f)(x), jacrev(f)(x))
+        close(J, tape_jacobian(f, x))
+        close(J, central_fd(f, x), FD_RTOL)
+
+
+def test_auto_rule_boundary():
+    # Forward mode iff 1.5 * inputs < outputs: a JVP costs about 1.5 VJPs.
+    x = rand(10, seed=3)
+    for n_out, expected in [(15, "rev"), (16, "fwd")]:
+        w = rand(10, n_out, seed=n_out)
+        jac = jacobian(lambda v, w=w: tf.sin(tf.linalg.matvec(w, v, transpose_a=True)))
+        jac(x)
+        assert jac.mode == expected
+
+
+def test_auto_batched_uses_per_example_sizes():
+    w = rand(2, 30, seed=8)
+
+    def f(x):  # per example 2 -> 30, so forward mode even though B*2 > 30
+        return tf.sin(x @ w)
+
+    jac = jacobian(f, batched=True)
+    x = rand(40, 2, seed=9)
+    J = jac(x)
+    assert jac.mode == "fwd"
+    close(J, tape_batch_jacobian(f, x))
+
+
+# ---------------------------------------------------------------------------------------------
+# Batched, chunked
+
+
+@pytest.mark.parametrize("mode", ["rev", "fwd"])
+def test_batched_equals_diagonal_blocks_of_full_jacobian(mode):
+    model = mlp(n_in=5, n_out=3)
+    x = rand(4, 5, seed=10)
+    full = np.asarray(jacobian(model, mode=mode)(x))  # (4, 3, 4, 5)
+    batched = np.asarray(jacobian(model, mode=mode, batched=True)(x))  # (4, 3, 5)
+    assert batched.shape == (4, 3, 5)
+    for b in range(4):
+        close(batched[b], full[b, :, b, :])
+        for b2 in range(4):
+            if b2 != b:
+                assert np.all(full[b, :, b2, :] == 0)  # examples are independent
+
+
+def test_batched_nested_structures():
+    def f(inp):
+        u, v = inp
+        return {"p": tf.tanh(u[:, :2] * v), "q": tf.reduce_sum(u, axis=1) * v[:, 0]}
+
+    u, v = rand(3, 4, seed=11), rand(3, 2, seed=12)
+    for mode in ("rev", "fwd"):
+        J = jacobian(f, mode=mode, batched=True)((u, v))
+        assert J["p"][0].shape == (3, 2, 4) and J["p"][1].shape == (3, 2, 2)
+        assert J["q"][0].shape == (3, 4) and J["q"][1].shape == (3, 2)
+        close(J["p"][0], tape_batch_jacobian(lambda t: f((t, v))["p"], u))
+        close(J["p"][1], tape_batch_jacobian(lambda t: f((u, t))["p"], v))
+        qu = tape_batch_jacobian(lambda t: f((t, v))["q"][:, None], u)[:, 0]
+        close(J["q"][0], qu)
+
+
+@pytest.mark.parametrize("mode", ["rev", "fwd"])
+@pytest.mark.parametrize("batched", [False, True])
+def test_chunked_equals_unchunked(mode, batched):
+    model = mlp(n_in=7, hidden=5, n_out=7)
+    x = rand(3, 7, seed=13)
+    ref = np.asarray(jacobian(model, mode=mode, batched=batched)(x))
+    # 1 (every product alone), 3 (uneven: full chunks and a remainder), 7 (one per chunk)
+    for chunk in (1, 3, 7, 100):
+        J = jacobian(model, mode=mode, batched=batched, chunk_size=chunk)(x)
+        np.testing.assert_allclose(J, ref, rtol=1e-12, atol=1e-14)
+
+
+def test_chunked_nested():
+    x = nested_input(seed=3)
+    ref = jacobian(nested_f, mode="rev")(x)
+    for mode in ("rev", "fwd"):
+        assert_nested_close(jacobian(nested_f, mode=mode, chunk_size=2)(x), ref)
+
+
+def test_jit_compile_matches():
+    model = mlp()
+    x = rand(3, 4, seed=14)
+    ref = jacobian(model, batched=True)(x)
+    for mode in ("rev", "fwd"):
+        close(jacobian(model, mode=mode, batched=True, jit_compile=True)(x), ref)
+
+
+@settings(max_examples=6, deadline=None)
+@given(
+    n_in=st.integers(1, 5),
+    n_out=st.integers(1, 5),
+    batch=st.integers(1, 4),
+    chunk=st.one_of(st.none(), st.integers(1, 4)),
+)
+def test_random_shapes_match_tape(n_in, n_out, batch, chunk):
+    w = rand(n_in, n_out, seed=n_in * 10 + n_out)
+
+    def f(x):
+        return tf.tanh(x @ w) * tf.reduce_sum(x, axis=1, keepdims=True)
+
+    x = rand(batch, n_in, seed=batch)
+    ref = tape_batch_jacobian(f, x)
+    for mode in ("rev", "fwd"):
+        close(jacobian(f, mode=mode, batched=True, chunk_size=chunk)(x), ref)
+
+
+# ---------------------------------------------------------------------------------------------
+# Keras training flag
+
+
+def test_keras_training_flag():
+    model = mlp(n_in=4, hidden=30, n_out=2, dropout=0.5)
+    x = rand(2, 4, seed=15)
+    # Default training=False: dropout off, deterministic, equal to the inference tape.
+    J = jacobian(model, batched=True)(x)
+    close(J, tape_batch_jacobian(lambda t: model(t, training=False), x))
+
+    # training=True: a dropout mask is applied, the same for every VJP/JVP of one call.
+    # Jacobian of the hidden layer (Dense -> Dropout) shows it: each unit's row is either
+    # zero (dropped) or 2x the inference row (kept, scaled by 1/(1-0.5)).
+    hidden = keras.Sequential(model.layers[:2])
+    ref = np.asarray(jacobian(hidden, batched=True)(x))  # (2, 30, 4)
+    for mode in ("rev", "fwd"):
+        Jt = np.asarray(jacobian(hidden, mode=mode, batched=True, training=True)(x))
+        dropped = np.all(Jt == 0, axis=-1)
+        assert dropped.any() and not dropped.all()
+        np.testing.assert_allclose(Jt[~dropped], 2 * ref[~dropped], rtol=1e-12)
+
+
+def test_batchnorm_training_full_jacobian():
+    keras.utils.set_random_seed(3)
+    model = keras.Sequential(
+        [
+            keras.Input((3,), dtype="float64"),
+            keras.layers.Dense(4, dtype="float64"),
+            keras.layers.BatchNormalization(dtype="float64"),
+        ]
+    )
+    x = rand(5, 3, seed=16)
+    ref = tape_jacobian(lambda t: model(t, training=True), x)  # mixes examples
+    for mode in ("rev", "fwd"):
+        close(jacobian(model, mode=mode, training=True)(x), ref)
+
+
+# ---------------------------------------------------------------------------------------------
+# jvp, vjp, hvp, hessian
+
+
+def test_jvp_and_vjp_match_jacobian():
+    x = nested_input(seed=4)
+    t = nested_input(seed=5)
+    J = jacobian(nested_f)(x)
+    y, jv = jvp(nested_f, x, t)
+    assert_nested_close(y, nested_f(x))
+    # (J t)_k = sum_l J_kl . t_l
+    expected_s = sum(tf.reduce_sum(J[0][k] * t[k]) for k in ("a", "b"))
+    close(jv[0], expected_s)
+    expected_m = sum(tf.tensordot(J[1]["m"][k], t[k], axes=t[k].shape.rank) for k in ("a", "b"))
+    close(jv[1]["m"], expected_m)
+
+    u = (rand(seed=6), {"m": rand(2, 3, seed=7)})
+    y2, vjp_fn = vjp(nested_f, x)
+    assert_nested_close(y2, nested_f(x))
+    g = vjp_fn(u)
+    for k in ("a", "b"):
+        expected = u[0] * J[0][k] + tf.tensordot(u[1]["m"], J[1]["m"][k], axes=2)
+        close(g[k], expected)
+
+
+def test_jvp_vjp_tuple_primals_are_positional_args():
+    def f(a, b):
+        return tf.sin(a) * b
+
+    a, b = rand(3, seed=8), rand(3, seed=9)
+    ta, tb = rand(3, seed=10), rand(3, seed=11)
+    _, jv = jvp(f, (a, b), (ta, tb))
+    close(jv, tf.cos(a) * b * ta + tf.sin(a) * tb)
+    _, vjp_fn = vjp(f, (a, b))
+    ga, gb = vjp_fn(tf.ones(3, F64))
+    close(ga, tf.cos(a) * b)
+    close(gb, tf.sin(a))
+
+
+def test_hvp_and_hessian_match_tape_and_fd():
+    def f(inp):
+        return tf.reduce_sum(tf.sin(inp["p"]) * inp["q"] ** 2) + tf.reduce_prod(inp["p"])
+
+    x = {"p": rand(3, seed=12), "q": rand(3, seed=13)}
+    H = hessian(f)(x)
+    for k1 in ("p", "q"):
+        for k2 in ("p", "q"):
+
+            def grad_k1(v, k1=k1, k2=k2):
+                with tf.GradientTape() as tape:
+                    inp = {**x, k2: v}
+                    tape.watch(inp[k1])
+                    y = f(inp)
+                return tape.gradient(y, inp[k1])
+
+            close(H[k1][k2], tape_jacobian(grad_k1, x[k2]))
+            close(H[k1][k2], central_fd(grad_k1, x[k2]), FD_RTOL)
+    v = {"p": rand(3, seed=14), "q": rand(3, seed=15)}
+    hv = hvp(f, x, v)
+    for k1 in ("p", "q"):
+        close(hv[k1], sum(tf.linalg.matvec(H[k1][k2], v[k2]) for k2 in ("p", "q")))
+
+
+def test_batched_hessian_and_chunks():
+    def f(x):  # one scalar per example
+        return tf.reduce_sum(tf.tanh(x) ** 3, axis=1) * tf.reduce_prod(x, axis=1)
+
+    x = rand(3, 4, seed=16)
+    Hb = np.asarray(hessian(f, batched=True)(x))
+    assert Hb.shape == (3, 4, 4)
+    for b in range(3):
+        close(Hb[b], hessian(lambda v, b=b: f(v[None])[0])(x[b]))
+    np.testing.assert_allclose(hessian(f, batched=True, chunk_size=3)(x), Hb, rtol=1e-12)
+
+
+def test_hvp_with_keras_weights_matches_double_tape():
+    model = mlp(n_in=3, hidden=4, n_out=2)
+    x = rand(5, 3, seed=17)
+    weights = model.trainable_variables
+
+    def loss(ws):  # uses the model's variables, which are the primals
+        return tf.reduce_sum(model(x) ** 2)
+
+    v = [rand(*w.shape, seed=20 + i) for i, w in enumerate(weights)]
+    hv = hvp(loss, weights, v)
+    with tf.GradientTape() as outer:
+        with tf.GradientTape() as inner:
+            y = loss(weights)
+        g = inner.gradient(y, weights)
+        gv = tf.add_n([tf.reduce_sum(gi * vi) for gi, vi in zip(g, v, strict=True)])
+    expected = outer.gradient(gv, weights)  # reverse-over-reverse oracle
+    for a, b in zip(hv, expected, strict=True):
+        close(a, b)
+
+
+# ---------------------------------------------------------------------------------------------
+# Compile once
+
+
+@pytest.mark.parametrize("mode", ["rev", "fwd"])
+def test_same_signature_never_retraces_new_batch_size_at_most_once(mode):
+    model = mlp()
+    jac = jacobian(model, mode=mode, batched=True)
+    for seed in range(3):
+        jac(rand(4, 4, seed=seed))
+    assert jac.trace_count == 1
+    jac(rand(6, 4, seed=5))
+    n = jac.trace_count
+    assert n <= 2
+    for batch in (7, 9, 2):
+        x = rand(batch, 4, seed=batch)
+        close(jac(x), tape_batch_jacobian(model, x))  # the batch-relaxed trace is right too
+    assert jac.trace_count == n
+
+
+@pytest.mark.parametrize("mode", ["rev", "fwd"])
+def test_unknown_batch_output_mismatch_fails_at_run_time(mode):
+    # With a free batch dimension the output's batch size is only known when running.
+    jac = jacobian(
+        lambda x: tf.tanh(x[:2]),
+        mode=mode,
+        batched=True,
+        input_signature=[tf.TensorSpec([None, 3], F64)],
+    )
+    close(jac(rand(2, 3)), tape_batch_jacobian(lambda x: tf.tanh(x[:2]), rand(2, 3)))
+    with pytest.raises(
+        tf.errors.InvalidArgumentError, match="output of f does not keep the batch size"
+    ):
+        jac(rand(4, 3))
+
+
+def test_new_example_shape_traces_once_per_shape():
+    def f(x):
+        return tf.sin(x) * tf.reduce_sum(x)
+
+    jac = jacobian(f)
+    close(jac(rand(3, seed=1)), tape_jacobian(f, rand(3, seed=1)))
+    close(jac(rand(5, seed=2)), tape_jacobian(f, rand(5, seed=2)))  # static 5, not relaxed
+    jac(rand(3, seed=3))
+    jac(rand(5, seed=4))
+    assert jac.trace_count == 2
+
+
+def test_input_signature():
+    model = mlp()
+    spec = tf.TensorSpec([None, 4], F64)
+    jac = jacobian(model, batched=True, input_signature=[spec])
+    for batch in (2, 5, 3):
+        x = rand(batch, 4, seed=batch)
+        close(jac(x), tape_batch_jacobian(model, x))
+    assert jac.trace_count == 1
+    with pytest.raises(ValueError, match="non-batch dimension"):
+        jacobian(model, batched=True, input_signature=[tf.TensorSpec([None, None], F64)])(
+            rand(2, 4)
+        )
+
+
+def test_one_shot_helpers_trace_once_per_f():
+    def f(x):
+        return tf.reduce_sum(tf.sin(x) ** 2)
+
+    for seed in range(4):
+        x, t = rand(5, seed=seed), rand(5, seed=seed + 10)
+        jvp(f, x, t)
+        _, vjp_fn = vjp(f, x)
+        vjp_fn(tf.constant(1.0, F64))
+        hvp(f, x, t)
+    assert trace_counts(f) == {"jvp": 1, "forward": 1, "vjp": 1, "hvp": 1}
+
+
+def test_one_shot_cache_does_not_keep_f_alive():
+    import gc
+    import weakref
+
+    def make():
+        def f(x):
+            return tf.reduce_sum(x**2)
+
+        jvp(f, rand(2), rand(2))
+        return weakref.ref(f)
+
+    ref = make()
+    gc.collect()
+    assert ref() is None
+
+
+# ---------------------------------------------------------------------------------------------
+# Errors
+
+
+def test_error_unknown_mode():
+    with pytest.raises(ValueError, match="mode must be one of 'auto', 'rev', 'fwd'.*'reverse'"):
+        jacobian(tf.sin, mode="reverse")
+
+
+@pytest.mark.parametrize("bad", [0, -2, 1.5, True])
+def test_error_bad_chunk_size(bad):
+    with pytest.raises(ValueError, match="chunk_size must be a positive integer"):
+        jacobian(tf.sin, chunk_size=bad)
+
+
+def test_error_non_float_input_names_the_argument():
+    with pytest.raises(TypeError, match=r"args\[0\]\['b'\] has dtype int32.*floating"):
+        jacobian(lambda d: d["a"])({"a": rand(2), "b": tf.constant([1, 2])})
+    with pytest.raises(TypeError, match=r"primals\[0\] has dtype int32"):
+        jvp(tf.sin, tf.constant([1, 2]), tf.constant([1, 2]))
+
+
+def test_error_non_float_output():
+    with pytest.raises(TypeError, match="output.*int64.*floating outputs"):
+        jacobian(lambda x: tf.argmax(x))(rand(3))
+
+
+def test_error_batched_mismatched_batch_sizes():
+    with pytest.raises(ValueError, match=r"args\[0\] has batch size 4 and args\[1\] has 5"):
+        jacobian(lambda a, b: a + b[:4], batched=True)(rand(4, 2), rand(5, 2))
+
+
+def test_error_batched_output_without_batch():
+    with pytest.raises(ValueError, match="leading dimension 1 while the inputs have batch size 4"):
+        jacobian(lambda x: tf.reduce_sum(x, axis=0, keepdims=True), batched=True)(rand(4, 2))
+    with pytest.raises(ValueError, match="scalar"):
+        jacobian(lambda x: x, batched=True)(rand())
+
+
+def test_error_training_on_plain_function():
+    with pytest.raises(ValueError, match="training=True applies to Keras layers"):
+        jacobian(tf.sin, training=True)
+
+
+def test_error_argnums_out_of_range():
+    with pytest.raises(ValueError, match="argnums=2 refers to argument 2"):
+        jacobian(lambda a, b: a * b, argnums=2)(rand(2), rand(2))
+
+
+def test_error_hessian_needs_scalar():
+    with pytest.raises(ValueError, match="must return a scalar"):
+        hessian(tf.sin)(rand(3))
+    with pytest.raises(ValueError, match="one scalar per example"):
+        hessian(tf.sin, batched=True)(rand(2, 3))
+
+
+def test_error_tangent_structure():
+    with pytest.raises(ValueError, match="tangents must have the same nested structure"):
+        jvp(lambda d: d["a"], {"a": rand(2)}, {"b": rand(2)})
+    with pytest.raises(ValueError, match="shape"):
+        jvp(tf.sin, rand(2), rand(3))
