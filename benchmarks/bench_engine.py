@@ -1,115 +1,11 @@
-"""Per-example gradients, norms and clipped sums against the batch gradient and the baselines.
+"""Engine benchmark (see ``pergrad.bench.engine``): ``python benchmarks/bench_engine.py [--quick]``."""
 
-For each model and batch size this prints the median time of one ordinary batch gradient and, as a
-ratio to it (measured in the same run), pergrad's ``gradients``, ``norms`` and ``clipped_sum``
-under each strategy: ``auto`` (layer rules), ``vmap`` (tf.vectorized_map of the whole model, XLA),
-``jacobian`` (tape.jacobian) and ``loop`` (one tape per example in a tf.while_loop).
-
-    python benchmarks/bench_engine.py                 # the table in docs/benchmarks.md
-    python benchmarks/bench_engine.py --quick         # under a minute
-"""
-
-from __future__ import annotations
-
-import argparse
-import json
 import os
 import sys
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-import keras  # noqa: E402
-import tensorflow as tf  # noqa: E402
-from models import MODELS, batch  # noqa: E402
-from timing import median_seconds  # noqa: E402
-
-import pergrad  # noqa: E402
-
-LOSS = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
-METHODS = ("gradients", "norms", "clipped_sum")
-# Whole-model baselines materialize everything: norms and clipped sums cost what gradients cost,
-# so only `gradients` is timed for them.
-BASELINE_METHODS = {"auto": METHODS, "vmap": METHODS, "jacobian": ("gradients",),
-                    "loop": ("gradients",)}
-
-
-def batch_gradient_fn(model):
-    @tf.function(reduce_retracing=True)
-    def step(x, y):
-        with tf.GradientTape() as tape:
-            loss = tf.reduce_mean(LOSS.call(y, model(x, training=False)))
-        return tape.gradient(loss, model.trainable_variables)
-    return step
-
-
-def run(quick: bool = False, models: tuple[str, ...] = ("mlp", "cnn", "transformer"),
-        batch_sizes: tuple[int, ...] = (64, 256), strategies: tuple[str, ...] | None = None,
-        budget_s: float | None = None) -> list[dict]:
-    """Time everything; one dict per (model, batch, strategy, method) with seconds and ratio."""
-    if strategies is None:
-        strategies = ("auto", "vmap") if quick else ("auto", "vmap", "jacobian", "loop")
-    budget = budget_s if budget_s is not None else (1.0 if quick else 8.0)
-    repeats = 3 if quick else 7
-    rows = []
-    for name in models:
-        keras.utils.set_random_seed(0)
-        model = MODELS[name]()
-        for size in batch_sizes:
-            x, y = batch(name, size)
-            x, y = tf.constant(x), tf.constant(y)
-            step = batch_gradient_fn(model)
-            base, n = median_seconds(lambda: step(x, y), repeats=repeats, budget_s=budget)
-            rows.append(dict(model=name, batch=size, strategy="batch gradient",
-                             method="-", seconds=base, ratio=1.0, calls=n))
-            for strategy in strategies:
-                pex = pergrad.PerExample(model, LOSS, strategy=strategy)
-                calls = {"gradients": lambda p=pex: p.gradients(x, y),
-                         "norms": lambda p=pex: p.norms(x, y),
-                         "clipped_sum": lambda p=pex: p.clipped_sum(x, y, 1.0)}
-                for method in BASELINE_METHODS[strategy]:
-                    seconds, n = median_seconds(calls[method], repeats=repeats, budget_s=budget)
-                    rows.append(dict(model=name, batch=size, strategy=strategy, method=method,
-                                     seconds=seconds, ratio=seconds / base, calls=n))
-                    print(f"  {name:11s} B={size:<4d} {strategy:8s} {method:12s} "
-                          f"{seconds * 1e3:9.2f} ms  {seconds / base:7.2f}x", flush=True)
-    return rows
-
-
-def markdown(rows: list[dict]) -> str:
-    """One line per (model, batch): batch gradient in ms, then ratios to it."""
-    columns = [(s, m) for s in ("auto", "vmap", "jacobian", "loop") for m in BASELINE_METHODS[s]]
-    present = [c for c in columns if any((r["strategy"], r["method"]) == c for r in rows)]
-    head = ["model", "batch", "batch gradient"] + [f"{s} {m}" for s, m in present]
-    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-    for name, size in dict.fromkeys((r["model"], r["batch"]) for r in rows):
-        cell = {(r["strategy"], r["method"]): r for r in rows
-                if r["model"] == name and r["batch"] == size}
-        base = cell[("batch gradient", "-")]["seconds"]
-        values = [name, str(size), f"{base * 1e3:.1f} ms"]
-        values += [f"{cell[c]['ratio']:.2f}x" if c in cell else "-" for c in present]
-        lines.append("| " + " | ".join(values) + " |")
-    return "\n".join(lines)
-
-
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="auto and vmap only, short budget")
-    parser.add_argument("--models", default="mlp,cnn,transformer")
-    parser.add_argument("--batch-sizes", default="64,256")
-    parser.add_argument("--strategies", default=None, help="comma list (default: all)")
-    parser.add_argument("--json", default=None, help="write the rows to this JSON file")
-    args = parser.parse_args(argv)
-    rows = run(args.quick, tuple(args.models.split(",")),
-               tuple(int(b) for b in args.batch_sizes.split(",")),
-               tuple(args.strategies.split(",")) if args.strategies else None)
-    print()
-    print(markdown(rows))
-    if args.json:
-        with open(args.json, "w") as handle:
-            json.dump(rows, handle, indent=1)
-    return 0
-
+from pergrad.bench.engine import main  # noqa: E402
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -160,8 +160,8 @@ def test_custom_wrong_shapes_is_a_clear_error(rng):
     model = _model()
     x, y = _data(rng)
     x, y = x.astype("float32"), y.astype("float32")
-    with pytest.raises(ValueError, match=r"returned shape \(5, 4\) for variable 0, expected"):
-        _run(aggregate.custom(lambda g, n: [tf.zeros((5, 4))] + [v[0] for v in g[1:]]),
+    with pytest.raises(ValueError, match=r"returned shape \(4, 5\) for variable 0, expected"):
+        _run(aggregate.custom(lambda g, n: [tf.zeros((4, 5))] + [v[0] for v in g[1:]]),
              model, x, y)
     with pytest.raises(ValueError, match="returned 1 tensors for 4 trainable variables"):
         _run(aggregate.custom(lambda g, n: [g[0][0]]), model, x, y)

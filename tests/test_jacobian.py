@@ -302,6 +302,21 @@ def test_random_shapes_match_tape(n_in, n_out, batch, chunk):
         close(jacobian(f, mode=mode, batched=True, chunk_size=chunk)(x), ref)
 
 
+@pytest.mark.parametrize("mode", ["rev", "fwd"])
+def test_attention_block_input_jacobian(mode):
+    # DESIGN.md: vectorized_map over a transformer block's stateless_call can segfault without
+    # XLA. Input Jacobians vectorize the VJP/JVP of the whole call instead; check they run.
+    keras.utils.set_random_seed(4)
+    inp = keras.Input((4, 6), dtype="float64")
+    h = keras.layers.MultiHeadAttention(2, 3, dtype="float64")(inp, inp)
+    h = keras.layers.LayerNormalization(dtype="float64")(h + inp)
+    model = keras.Model(inp, keras.layers.Dense(5, activation="gelu", dtype="float64")(h))
+    x = rand(8, 4, 6, seed=18)
+    J = jacobian(model, mode=mode, batched=True)(x)
+    assert J.shape == (8, 4, 5, 4, 6)
+    close(J, tape_batch_jacobian(model, x))
+
+
 # ---------------------------------------------------------------------------------------------
 # Keras training flag
 

@@ -1,0 +1,45 @@
+"""``pergrad`` on the command line: ``analyze`` (the main job), ``bench`` and ``privacy``.
+
+Thin: argument parsing and printing; the work is done by the library.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+
+class _Parser(argparse.ArgumentParser):
+    """Bad arguments: one line on stderr, exit code 2 (argparse prints the usage too)."""
+
+    def error(self, message: str):  # type: ignore[override]
+        self.exit(2, f"{self.prog}: error: {message}\n")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from pergrad.cli import analyze, bench, privacy
+
+    parser = _Parser(prog="pergrad", description="Fast per-example gradients for Keras 3.")
+    commands = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
+    analyze.add_parser(commands)
+    bench.add_parser(commands)
+    privacy.add_parser(commands)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.command is None:
+        parser.print_help()
+        return 2
+    from pergrad.cli import analyze, bench, privacy
+
+    run = {"analyze": analyze.run, "bench": bench.run, "privacy": privacy.run}[args.command]
+    return int(run(args) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -80,67 +80,45 @@ def _leaf_loss(loss) -> Any:
     return per_example
 
 
-def compiled_per_example_loss(loss, loss_weights, output_names):
-    """The compiled ``loss``/``loss_weights`` as ``fn(y_true, y_pred) -> (B,)`` with
-    ``mean_i fn(...)_i`` equal to Keras's compiled loss (regularization aside).
+def _weighted_leaf(loss, weight):
+    leaf = _leaf_loss(loss)
+    if leaf is None:  # no loss for this output
+        return lambda y_true, y_pred: tf.zeros([tf.shape(y_pred)[0]], keras.config.floatx())
+    if weight is None or float(weight) == 1.0:
+        return leaf
+    return lambda y_true, y_pred: leaf(y_true, y_pred) * float(weight)
 
-    ``loss`` may be a name, a ``keras.losses.Loss``, a callable, or a list/dict of those per
-    output (dict keys are output names); ``loss_weights`` a float or a matching list/dict.
+
+def compiled_per_example_loss(loss, loss_weights, output_names, dict_outputs: bool):
+    """The compiled ``loss``/``loss_weights`` per example, in the form the engine takes.
+
+    Returns ``(engine_loss, target_order)``: ``engine_loss`` is one callable, or a list/dict of
+    callables per model output, each ``(y_true, y_pred) -> (B,)`` with the batch mean of
+    ``l_i`` equal to Keras's compiled loss; ``target_order`` is ``None``, or the output names in
+    which a dict of targets must be passed as a list (a dict ``loss`` for a model whose outputs
+    are a list).
     """
     if loss is None:
         raise ValueError("PerExampleModel needs a loss: pass `loss=` to compile().")
-    names = list(output_names or [])
-
     if isinstance(loss, dict):
-        keys = list(loss)
         weights = loss_weights or {}
-        terms = [(k, _leaf_loss(loss[k]), float(weights.get(k, 1.0))) for k in keys]
-    elif isinstance(loss, (list, tuple)):
-        weights = loss_weights or [1.0] * len(loss)
-        terms = [(i, _leaf_loss(lo), float(w)) for i, (lo, w) in enumerate(zip(loss, weights,
-                                                                              strict=True))]
-    else:
-        weight = 1.0 if loss_weights is None else loss_weights
-        if isinstance(weight, (list, tuple, dict)):
-            weight = tf.nest.flatten(weight)[0]
-        leaf = _leaf_loss(loss)
-        terms = None
-
-    def pick(structure, key, what):
-        if isinstance(structure, dict):
-            if key in structure:
-                return structure[key]
-            raise ValueError(f"No {what} named {key!r}; got {sorted(structure)}.")
-        flat = tf.nest.flatten(structure)
-        if isinstance(key, str):
-            if key not in names:
-                raise ValueError(f"Loss dict key {key!r} is not a model output; outputs are "
-                                 f"{names}.")
-            key = names.index(key)
-        if key >= len(flat):
-            raise ValueError(f"The loss has more entries than the model has {what}s "
-                             f"({len(flat)}).")
-        return flat[key]
-
-    def fn(y_true, y_pred):
-        if terms is None:
-            preds = tf.nest.flatten(y_pred)
-            trues = tf.nest.flatten(y_true)
-            if len(trues) != len(preds):
-                raise ValueError(f"The model has {len(preds)} outputs but y has {len(trues)} "
-                                 "parts; pass one target per output.")
-            parts = [leaf(t, p) for t, p in zip(trues, preds, strict=True)]
-            total = tf.add_n(parts) if len(parts) > 1 else parts[0]
-            return total * tf.cast(weight, total.dtype) if weight != 1.0 else total
-        parts = []
-        for key, leaf_fn, w in terms:
-            if leaf_fn is None:
-                continue
-            value = leaf_fn(pick(y_true, key, "target"), pick(y_pred, key, "output"))
-            parts.append(value * tf.cast(w, value.dtype) if w != 1.0 else value)
-        return tf.add_n(parts)
-
-    return fn
+        if not isinstance(weights, dict):
+            raise ValueError("With a dict of losses pass loss_weights as a dict too.")
+        unknown = set(loss) - set(output_names or loss)
+        if unknown:
+            raise ValueError(f"Loss dict keys {sorted(unknown)} are not model outputs; outputs "
+                             f"are {list(output_names)}.")
+        if dict_outputs or not output_names:
+            return {k: _weighted_leaf(v, weights.get(k)) for k, v in loss.items()}, None
+        names = list(output_names)
+        return [_weighted_leaf(loss.get(n), weights.get(n)) for n in names], names
+    if isinstance(loss, (list, tuple)):
+        weights = loss_weights or [None] * len(loss)
+        return [_weighted_leaf(lo, w) for lo, w in zip(loss, weights, strict=True)], None
+    weight = loss_weights
+    if isinstance(weight, (list, tuple, dict)):
+        weight = tf.nest.flatten(weight)[0]
+    return _weighted_leaf(loss, weight), None
 
 
 def _split_indices(x):
@@ -207,6 +185,7 @@ class PerExampleModel(keras.Model):
         self.dropped_examples = keras.metrics.Sum(name="dropped_examples")
         self._per_example: PerExample | None = None
         self._per_example_loss = None
+        self._target_order = None
         self._loss_scale = None
 
     # -- Keras plumbing -----------------------------------------------------------------------------
@@ -218,7 +197,12 @@ class PerExampleModel(keras.Model):
         """As ``keras.Model.compile``; the loss is used per example."""
         super().compile(optimizer=optimizer, loss=loss, loss_weights=loss_weights, **kwargs)
         output_names = getattr(self.model, "output_names", None)
-        self._per_example_loss = compiled_per_example_loss(loss, loss_weights, output_names)
+        try:
+            dict_outputs = isinstance(self.model.output, dict)
+        except (AttributeError, ValueError):  # subclassed or not yet called
+            dict_outputs = False
+        self._per_example_loss, self._target_order = compiled_per_example_loss(
+            loss, loss_weights, output_names, dict_outputs)
         self._per_example = None
 
     def get_compile_config(self):
@@ -261,15 +245,16 @@ class PerExampleModel(keras.Model):
         if self._per_example is None:
             if self._per_example_loss is None:
                 raise ValueError("Call compile(loss=...) before training a PerExampleModel.")
-            base = self._per_example_loss
+            def with_scale(leaf):
+                def scaled(y_true, y_pred):
+                    values = leaf(y_true, y_pred)
+                    if self._loss_scale is None:
+                        return values
+                    return values * tf.cast(self._loss_scale, values.dtype)
+                return scaled
 
-            def scaled_loss(y_true, y_pred):
-                values = base(y_true, y_pred)
-                if self._loss_scale is None:
-                    return values
-                return values * tf.cast(self._loss_scale, values.dtype)
-
-            self._per_example = PerExample(self.model, scaled_loss, training=True)
+            loss = tf.nest.map_structure(with_scale, self._per_example_loss)
+            self._per_example = PerExample(self.model, loss, training=True)
         return self._per_example
 
     def _current_loss_scale(self):
@@ -306,6 +291,8 @@ class PerExampleModel(keras.Model):
             raise ValueError("PerExampleModel supports one sample weight per example, shape "
                              "(batch,); got a structure of sample weights.")
         engine = self.per_example()
+        if self._target_order is not None and isinstance(y, dict):
+            y = [y[name] for name in self._target_order]
         scale = self._current_loss_scale()
         self._loss_scale = scale
         try:
@@ -330,9 +317,9 @@ class PerExampleModel(keras.Model):
             grads = [g / tf.cast(replicas, g.dtype) for g in grads]
         if scale is not None:  # the optimizer divides by the loss scale
             grads = [g * tf.cast(scale, g.dtype) for g in grads]
-        self.optimizer.apply(grads, variables)
-
+        # Report before the update: Keras's loss includes the regularization of the old weights.
         logs = self._report(x, y, result, sample_weight, local.dropped, replicas)
+        self.optimizer.apply(grads, variables)
         if self.monitor is not None:
             stats = self.monitor.compute(result, indices=indices, sample_weight=sample_weight)
             logs = {**logs, **dict(stats)}

@@ -1,0 +1,5 @@
+import sys
+
+from pergrad.cli import main
+
+sys.exit(main())

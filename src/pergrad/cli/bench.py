@@ -1,0 +1,67 @@
+"""``pergrad bench``: the benchmarks of every capability, ratios against same-run baselines."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+
+def _csv(kind):
+    def parse(text: str):
+        try:
+            values = tuple(kind(part) for part in text.split(",") if part)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a comma-separated list, got {text!r}")
+        if not values:
+            raise argparse.ArgumentTypeError("the list is empty")
+        return values
+    return parse
+
+
+SUITES = ("engine", "training", "monitor", "jacobian")
+
+
+def add_parser(commands) -> None:
+    parser = commands.add_parser(
+        "bench", help="time pergrad against the batch gradient, loops, tape.jacobian and vmap",
+        description="Median times and ratios to baselines measured in the same run. Timings "
+                    "depend on the machine; nothing here is a pass/fail check.")
+    parser.add_argument("--quick", action="store_true",
+                        help="fewer strategies and repetitions: under a minute per suite")
+    parser.add_argument("--models", type=_csv(str), default=("mlp", "cnn", "transformer"),
+                        help="engine models, comma-separated (default: mlp,cnn,transformer)")
+    parser.add_argument("--batch-sizes", type=_csv(int), default=(64, 256),
+                        help="engine batch sizes, comma-separated (default: 64,256)")
+    parser.add_argument("--suites", type=_csv(str), default=("engine",),
+                        help=f"which benchmarks, comma-separated from {','.join(SUITES)} "
+                             "(default: engine)")
+    parser.add_argument("--json", default=None, metavar="PATH", help="also write rows as JSON")
+
+
+def run(args: argparse.Namespace) -> int:
+    from pergrad.bench import engine, jacobian, monitor, training
+    from pergrad.bench.models import MODELS
+
+    unknown = [m for m in args.models if m not in MODELS]
+    bad_suites = [s for s in args.suites if s not in SUITES]
+    if unknown or bad_suites or any(b < 1 for b in args.batch_sizes):
+        what = (f"unknown models {unknown}" if unknown else f"unknown suites {bad_suites}"
+                if bad_suites else "batch sizes must be positive")
+        print(f"pergrad bench: error: {what}", file=__import__("sys").stderr)
+        return 2
+    results = {}
+    for suite in args.suites:
+        print(f"# {suite}", flush=True)
+        if suite == "engine":
+            rows = engine.run(args.quick, args.models, args.batch_sizes)
+            print(engine.markdown(rows))
+        else:
+            module = {"training": training, "monitor": monitor, "jacobian": jacobian}[suite]
+            rows = module.run(quick=args.quick)
+            if hasattr(module, "markdown"):
+                print(module.markdown(rows))
+        results[suite] = rows
+    if args.json:
+        with open(args.json, "w") as handle:
+            json.dump(results, handle, indent=1)
+    return 0

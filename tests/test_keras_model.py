@@ -1,0 +1,338 @@
+"""``PerExampleModel``: Keras behaviour, closed forms, equality with plain Keras, bad inputs."""
+
+from __future__ import annotations
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import pergrad
+from pergrad import aggregate
+from pergrad.keras import INDEX_KEY, PerExampleModel
+
+
+def _mlp(regularizer=None, outputs=3):
+    return keras.Sequential([
+        keras.Input((6,)),
+        keras.layers.Dense(8, activation="tanh", kernel_regularizer=regularizer),
+        keras.layers.Dense(outputs),
+    ])
+
+
+def _twin(model):
+    twin = keras.models.clone_model(model)
+    twin.set_weights(model.get_weights())
+    return twin
+
+
+def _assert_weights_close(a, b, rtol=1e-5):
+    for wa, wb in zip(a.get_weights(), b.get_weights(), strict=True):
+        np.testing.assert_allclose(wa, wb, rtol=rtol, atol=rtol * max(1.0, np.abs(wb).max()))
+
+
+# -- closed form ------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("clip", [10.0, 40.0, 200.0])
+def test_closed_form_clip_without_bias(clip):
+    """Dense(1, use_bias=False) at 0, x=[3, 4], y=15, MSE: g = -2*15*[3, 4] = -[90, 120],
+    ||g|| = 150 (not 153), so one SGD(0.01) step gives w = 0.01*[90, 120]*min(1, C/150)."""
+    inner = keras.Sequential([keras.Input((2,)),
+                              keras.layers.Dense(1, use_bias=False, kernel_initializer="zeros")])
+    model = PerExampleModel(inner, aggregate.clip_mean(clip))
+    model.compile(optimizer=keras.optimizers.SGD(0.01), loss="mse")
+    model.fit(np.array([[3.0, 4.0]]), np.array([15.0]), epochs=1, verbose=0)
+    expected = 0.01 * np.array([90.0, 120.0]) * min(1.0, clip / 150.0)
+    np.testing.assert_allclose(inner.get_weights()[0].ravel(), expected, rtol=1e-6)
+
+
+@pytest.mark.parametrize("clip", [10.0, 40.0, 200.0])
+def test_closed_form_clip_with_bias(clip):
+    """With a bias: g = -30*[3, 4, 1], ||g|| = 30 sqrt(26) = 152.97 (the issue's "153"); the step
+    is w = 0.01*[90, 120]*f, b = 0.01*30*f with f = min(1, C / (30 sqrt(26)))."""
+    inner = keras.Sequential([keras.Input((2,)), keras.layers.Dense(1, kernel_initializer="zeros")])
+    model = PerExampleModel(inner, aggregate.clip_mean(clip))
+    model.compile(optimizer=keras.optimizers.SGD(0.01), loss="mse")
+    model.fit(np.array([[3.0, 4.0]]), np.array([15.0]), epochs=1, verbose=0)
+    factor = min(1.0, clip / (30 * np.sqrt(26)))
+    kernel, bias = inner.get_weights()
+    np.testing.assert_allclose(kernel.ravel(), 0.01 * np.array([90.0, 120.0]) * factor, rtol=1e-6)
+    np.testing.assert_allclose(bias, [0.3 * factor], rtol=1e-6)
+
+
+# -- equality with plain Keras ----------------------------------------------------------------------
+
+@pytest.mark.parametrize("optimizer", ["sgd", "adam"])
+def test_mean_training_equals_plain_keras(rng, optimizer):
+    x = rng.normal(size=(40, 6)).astype("float32")
+    y = rng.integers(0, 3, size=40)
+    w = rng.uniform(0.2, 2.0, size=40).astype("float32")
+    keras.utils.set_random_seed(0)
+    inner = _mlp(regularizer=keras.regularizers.L2(0.01))
+    plain = _twin(inner)
+    model = PerExampleModel(inner)
+    loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+    model.compile(optimizer=keras.optimizers.get(optimizer), loss=loss, metrics=["accuracy"])
+    plain.compile(optimizer=keras.optimizers.get(optimizer), loss=loss, metrics=["accuracy"])
+    h1 = model.fit(x, y, sample_weight=w, batch_size=16, epochs=2, shuffle=False, verbose=0)
+    h2 = plain.fit(x, y, sample_weight=w, batch_size=16, epochs=2, shuffle=False, verbose=0)
+    _assert_weights_close(inner, plain)
+    np.testing.assert_allclose(h1.history["loss"], h2.history["loss"], rtol=1e-5)
+    np.testing.assert_allclose(h1.history["accuracy"], h2.history["accuracy"])
+    assert h1.history["dropped_examples"] == [0.0, 0.0]
+    e1, e2 = model.evaluate(x, y, verbose=0), plain.evaluate(x, y, verbose=0)
+    np.testing.assert_allclose(e1[:1], e2[:1], rtol=1e-5)
+    np.testing.assert_allclose(model.predict(x, verbose=0), plain.predict(x, verbose=0),
+                               rtol=1e-5, atol=1e-6)
+
+
+def test_class_weight_equals_plain_keras(rng):
+    x = rng.normal(size=(32, 6)).astype("float32")
+    y = rng.integers(0, 3, size=32)
+    inner = _mlp()
+    plain = _twin(inner)
+    model = PerExampleModel(inner)
+    for m in (model, plain):
+        m.compile(optimizer=keras.optimizers.SGD(0.1),
+                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+        m.fit(x, y, class_weight={0: 1.0, 1: 3.0, 2: 0.5}, batch_size=8, epochs=1,
+              shuffle=False, verbose=0)
+    _assert_weights_close(inner, plain)
+
+
+def test_multi_output_dict_losses_equal_plain_keras(rng):
+    inputs = keras.Input((6,), name="x")
+    hidden = keras.layers.Dense(5, activation="relu")(inputs)
+    outputs = {"a": keras.layers.Dense(2, name="a")(hidden),
+               "b": keras.layers.Dense(1, name="b")(hidden)}
+    inner = keras.Model(inputs, outputs)
+    plain = _twin(inner)
+    model = PerExampleModel(inner)
+    x = rng.normal(size=(24, 6)).astype("float32")
+    y = {"a": rng.normal(size=(24, 2)).astype("float32"),
+         "b": rng.normal(size=(24, 1)).astype("float32")}
+    for m in (model, plain):
+        m.compile(optimizer=keras.optimizers.SGD(0.05), loss={"a": "mse", "b": "mae"},
+                  loss_weights={"a": 1.0, "b": 0.3})
+        m.fit(x, y, batch_size=8, epochs=1, shuffle=False, verbose=0)
+    _assert_weights_close(inner, plain)
+
+
+def test_sequence_output_loss_is_averaged_like_keras(rng):
+    """Outputs (B, T, C): Keras averages the loss over T too; so must the per-example loss."""
+    inner = keras.Sequential([keras.Input((4, 3)), keras.layers.Dense(2)])
+    plain = _twin(inner)
+    model = PerExampleModel(inner)
+    x = rng.normal(size=(12, 4, 3)).astype("float32")
+    y = rng.normal(size=(12, 4, 2)).astype("float32")
+    for m in (model, plain):
+        m.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
+        m.fit(x, y, batch_size=4, epochs=1, shuffle=False, verbose=0)
+    _assert_weights_close(inner, plain)
+
+
+# -- Keras surface ----------------------------------------------------------------------------------
+
+def test_keras_surface_and_inner_model(rng):
+    inner = _mlp()
+    model = PerExampleModel(inner, aggregate.clip_mean(1.0))
+    assert model.model is inner
+    model.compile(optimizer="adam", loss="mse", metrics=["mae"])
+    x = rng.normal(size=(20, 6)).astype("float32")
+    y = rng.normal(size=(20, 3)).astype("float32")
+    history = model.fit(x, y, batch_size=5, epochs=2, validation_split=0.25, verbose=0)
+    assert set(history.history) >= {"loss", "mae", "val_loss", "val_mae", "dropped_examples"}
+    assert model.predict(x, verbose=0).shape == (20, 3)
+    assert len(model.evaluate(x, y, verbose=0)) >= 2
+    lines = []
+    model.summary(print_fn=lambda line, **kw: lines.append(line))
+    assert any("sequential" in line.lower() for line in lines)
+
+
+def test_save_load_round_trip(rng, tmp_path):
+    inner = _mlp()
+    model = PerExampleModel(inner, aggregate.dp_mean(1.0, 0.5, seed=3, expected_batch_size=10))
+    model.compile(optimizer=keras.optimizers.Adam(1e-2), loss="mse")
+    x = rng.normal(size=(20, 6)).astype("float32")
+    y = rng.normal(size=(20, 3)).astype("float32")
+    model.fit(x, y, batch_size=10, epochs=1, verbose=0)
+    path = tmp_path / "m.keras"
+    model.save(path)
+    loaded = keras.models.load_model(path)
+    assert isinstance(loaded, PerExampleModel)
+    assert loaded.aggregator.name == "dp_mean"
+    assert loaded.aggregator.config == model.aggregator.config
+    np.testing.assert_allclose(loaded.predict(x, verbose=0), model.predict(x, verbose=0),
+                               rtol=1e-6)
+    assert isinstance(loaded.optimizer, keras.optimizers.Adam)
+    loaded.fit(x, y, batch_size=10, epochs=1, verbose=0)  # compiled state restored
+    assert all(np.isfinite(w).all() for w in loaded.get_weights())
+
+
+# -- monitor contract -------------------------------------------------------------------------------
+
+class FakeMonitor(keras.callbacks.Callback):
+    def __init__(self):
+        super().__init__()
+        self.seen_indices = []
+        self.began = 0
+
+    def on_train_begin(self, logs=None):
+        self.began += 1
+
+    def compute(self, result, indices=None, sample_weight=None):
+        assert isinstance(result, pergrad.PerExampleResult)
+        self.seen_indices.append(indices)
+        stats = {"mean_norm": tf.reduce_mean(result.norms())}
+        if indices is not None:
+            stats["index_sum"] = tf.cast(tf.reduce_sum(indices), tf.float32)
+        return stats
+
+
+def test_monitor_contract_and_index_key(rng):
+    monitor = FakeMonitor()
+    inner = _mlp()
+    model = PerExampleModel(inner, monitor=monitor)
+    model.compile(optimizer="sgd", loss="mse")
+    x = rng.normal(size=(12, 6)).astype("float32")
+    y = rng.normal(size=(12, 3)).astype("float32")
+    history = model.fit({"features": x, INDEX_KEY: np.arange(12)}, y, batch_size=12, epochs=2,
+                        shuffle=False, verbose=0)
+    assert monitor.began == 1  # fit added the monitor as a callback
+    assert history.history["index_sum"] == [66.0, 66.0]
+    expected = pergrad.PerExample(_twin(inner), "mse").norms(x, y)  # after training: just finite
+    assert np.isfinite(history.history["mean_norm"]).all() and expected.shape == (12,)
+    history = model.fit(x, y, batch_size=6, epochs=1, callbacks=[monitor], verbose=0)
+    assert monitor.began == 2 and "index_sum" not in history.history
+    assert monitor.seen_indices[-1] is None
+
+
+def test_monitor_norms_match_engine(rng):
+    monitor = FakeMonitor()
+    inner = _mlp()
+    reference = pergrad.PerExample(_twin(inner), "mse", training=True)
+    model = PerExampleModel(inner, monitor=monitor)
+    model.compile(optimizer=keras.optimizers.SGD(0.0), loss="mse")
+    x = rng.normal(size=(8, 6)).astype("float32")
+    y = rng.normal(size=(8, 3)).astype("float32")
+    history = model.fit(x, y, batch_size=8, epochs=1, verbose=0)
+    np.testing.assert_allclose(history.history["mean_norm"][0],
+                               float(np.mean(reference.norms(x, y))), rtol=1e-5)
+
+
+# -- NaN handling -----------------------------------------------------------------------------------
+
+def test_nan_example_is_dropped_and_counted(rng):
+    x = rng.normal(size=(16, 6)).astype("float32")
+    y = rng.normal(size=(16, 3)).astype("float32")
+    x[5, 2] = np.nan
+    inner = _mlp()
+    plain = _twin(inner)
+    model = PerExampleModel(inner)  # mean: the dropped row counts as a zero-weight row
+    model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
+    history = model.fit(x, y, batch_size=8, epochs=2, shuffle=False, verbose=0)
+    assert history.history["dropped_examples"] == [1.0, 1.0]
+    assert np.isfinite(history.history["loss"]).all()
+    clean_x, weights = x.copy(), np.ones(16, "float32")
+    clean_x[5] = 0.0
+    weights[5] = 0.0
+    plain.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
+    expected = plain.fit(clean_x, y, sample_weight=weights, batch_size=8, epochs=2,
+                         shuffle=False, verbose=0)
+    _assert_weights_close(inner, plain)
+    np.testing.assert_allclose(history.history["loss"], expected.history["loss"], rtol=1e-5)
+
+
+# -- bad input --------------------------------------------------------------------------------------
+
+def test_scalar_loss_is_refused_before_training(rng):
+    inner = _mlp()
+    before = inner.get_weights()
+    model = PerExampleModel(inner)
+    model.compile(optimizer="sgd", loss=lambda y, p: keras.ops.mean(keras.ops.square(y - p)))
+    with pytest.raises(ValueError, match="returned a scalar"):
+        model.fit(rng.normal(size=(8, 6)), rng.normal(size=(8, 3)), verbose=0)
+    for a, b in zip(inner.get_weights(), before, strict=True):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_batch_norm_in_training_mode_is_refused(rng):
+    inner = keras.Sequential([keras.Input((6,)), keras.layers.Dense(4),
+                              keras.layers.BatchNormalization(name="bn_here"),
+                              keras.layers.Dense(3)])
+    before = inner.get_weights()
+    model = PerExampleModel(inner)
+    model.compile(optimizer="sgd", loss="mse")
+    with pytest.raises(pergrad.MixesExamplesError, match="bn_here"):
+        model.fit(rng.normal(size=(8, 6)), rng.normal(size=(8, 3)), verbose=0)
+    for a, b in zip(inner.get_weights(), before, strict=True):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_aggregator_with_wrong_shapes_is_refused(rng):
+    model = PerExampleModel(_mlp(), aggregate.custom(lambda grads, norms: [g[0] for g in grads[:2]]))
+    model.compile(optimizer="sgd", loss="mse")
+    with pytest.raises(ValueError, match="returned 2 tensors for 4 trainable variables"):
+        model.fit(rng.normal(size=(8, 6)), rng.normal(size=(8, 3)), verbose=0)
+
+
+def test_activity_regularizer_is_refused(rng):
+    inner = keras.Sequential([keras.Input((6,)),
+                              keras.layers.Dense(3, activity_regularizer="l2")])
+    model = PerExampleModel(inner)
+    model.compile(optimizer="sgd", loss="mse")
+    with pytest.raises(ValueError, match="adds losses in call"):
+        model.fit(rng.normal(size=(8, 6)), rng.normal(size=(8, 3)), verbose=0)
+
+
+def test_missing_and_ambiguous_losses():
+    model = PerExampleModel(_mlp())
+    with pytest.raises(ValueError, match="needs a loss"):
+        model.compile(optimizer="sgd")
+    with pytest.raises(ValueError, match="ambiguous"):
+        model.compile(optimizer="sgd", loss="crossentropy")
+    with pytest.raises(ValueError, match="reduction='sum'"):
+        model.compile(optimizer="sgd", loss=keras.losses.MeanSquaredError(reduction="sum"))
+    with pytest.raises(TypeError, match="Keras model"):
+        PerExampleModel("not a model")
+
+
+# -- mixed precision --------------------------------------------------------------------------------
+
+@pytest.fixture
+def policy():
+    def set_policy(name):
+        keras.config.set_dtype_policy(name)
+    yield set_policy
+    keras.config.set_dtype_policy("float32")
+
+
+@pytest.mark.parametrize("name", ["mixed_float16", "mixed_bfloat16"])
+def test_mixed_precision_trains_with_float32_unscaled_norms(rng, policy, name):
+    x = rng.normal(size=(16, 6)).astype("float32")
+    y = rng.normal(size=(16, 3)).astype("float32")
+    reference = _mlp()
+    reference_norms = pergrad.PerExample(reference, "mse", training=True).norms(x, y).numpy()
+    policy(name)
+    inner = _mlp()
+    inner.set_weights(reference.get_weights())
+    monitor = FakeMonitor()
+    model = PerExampleModel(inner, aggregate.clip_mean(float(np.median(reference_norms))),
+                            monitor=monitor)
+    model.compile(optimizer=keras.optimizers.SGD(0.05), loss="mse")
+    if name == "mixed_float16":
+        assert isinstance(model.optimizer, keras.optimizers.LossScaleOptimizer)
+    norms_dtype = []
+    monitor.compute = lambda result, **kw: (norms_dtype.append(result.norms().dtype),
+                                            {"mean_norm": tf.reduce_mean(result.norms())})[1]
+    history = model.fit(x, y, batch_size=16, epochs=1, verbose=0)
+    assert set(norms_dtype) == {tf.float32}  # Keras may trace the step twice
+    # Unscaled norms: the loss scale (32768 for float16) must not show.
+    np.testing.assert_allclose(history.history["mean_norm"][0], reference_norms.mean(), rtol=3e-2)
+    plain = PerExampleModel(reference, aggregate.clip_mean(float(np.median(reference_norms))))
+    policy("float32")
+    plain.compile(optimizer=keras.optimizers.SGD(0.05), loss="mse")
+    plain.fit(x, y, batch_size=16, epochs=1, verbose=0)
+    for a, b in zip(inner.get_weights(), reference.get_weights(), strict=True):
+        np.testing.assert_allclose(a, b, atol=2e-2)
+        assert a.dtype == np.float32
