@@ -222,6 +222,24 @@ def test_auto_batched_uses_per_example_sizes():
     close(J, tape_batch_jacobian(f, x))
 
 
+def test_mixed_dtypes_and_empty_leaves():
+    def f(inp):
+        a, e = inp  # a: float32 (3,), e: float64 (0,), unused by one output
+        return {"y": tf.cast(tf.sin(a), F64) * 2.0, "z": tf.reduce_sum(e) + tf.cast(a[0], F64)}
+
+    x = (tf.constant([0.1, 0.5, -0.3]), tf.zeros((0,), F64))
+    ref = {
+        "y": (np.diag(2 * np.cos([0.1, 0.5, -0.3])), np.zeros((3, 0))),
+        "z": (np.array([1.0, 0.0, 0.0]), np.zeros((0,))),
+    }
+    for mode in ("rev", "fwd"):
+        J = jacobian(f, mode=mode)(x)
+        for key in ("y", "z"):
+            for got, want in zip(J[key], ref[key], strict=True):
+                assert got.dtype == F64  # blocks take the output's dtype in both modes
+                np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-7)
+
+
 # ---------------------------------------------------------------------------------------------
 # Batched, chunked
 

@@ -165,6 +165,8 @@ def test_save_load_round_trip(rng, tmp_path):
     np.testing.assert_allclose(loaded.predict(x, verbose=0), model.predict(x, verbose=0),
                                rtol=1e-6)
     assert isinstance(loaded.optimizer, keras.optimizers.Adam)
+    for a, b in zip(loaded.optimizer.variables, model.optimizer.variables, strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))  # Adam state restored
     loaded.fit(x, y, batch_size=10, epochs=1, verbose=0)  # compiled state restored
     assert all(np.isfinite(w).all() for w in loaded.get_weights())
 
@@ -319,9 +321,13 @@ def test_mixed_precision_trains_with_float32_unscaled_norms(rng, policy, name):
     monitor = FakeMonitor()
     model = PerExampleModel(inner, aggregate.clip_mean(float(np.median(reference_norms))),
                             monitor=monitor)
-    model.compile(optimizer=keras.optimizers.SGD(0.05), loss="mse")
     if name == "mixed_float16":
-        assert isinstance(model.optimizer, keras.optimizers.LossScaleOptimizer)
+        # A moderate initial scale: the default 2**15 overflows float16 on the first step here
+        # (see test_float16_overflow_skips_the_step).
+        model.compile(optimizer=keras.optimizers.LossScaleOptimizer(
+            keras.optimizers.SGD(0.05), initial_scale=2.0 ** 8), loss="mse")
+    else:
+        model.compile(optimizer=keras.optimizers.SGD(0.05), loss="mse")
     norms_dtype = []
     monitor.compute = lambda result, **kw: (norms_dtype.append(result.norms().dtype),
                                             {"mean_norm": tf.reduce_mean(result.norms())})[1]
@@ -336,3 +342,27 @@ def test_mixed_precision_trains_with_float32_unscaled_norms(rng, policy, name):
     for a, b in zip(inner.get_weights(), reference.get_weights(), strict=True):
         np.testing.assert_allclose(a, b, atol=2e-2)
         assert a.dtype == np.float32
+
+
+def test_float16_overflow_skips_the_step(rng, policy):
+    """Default loss scale 2**15 overflows float16 in the backward pass: the non-finite update
+    reaches the LossScaleOptimizer, which skips the step and halves the scale (as in Keras);
+    the overflowing examples are not counted as dropped (their loss is finite)."""
+    policy("mixed_float16")
+    inner = _mlp()
+    before = inner.get_weights()
+    model = PerExampleModel(inner, aggregate.clip_mean(1.0))
+    model.compile(optimizer=keras.optimizers.SGD(0.05), loss="mse")
+    assert isinstance(model.optimizer, keras.optimizers.LossScaleOptimizer)
+    x = rng.normal(size=(16, 6)).astype("float32")
+    y = 50 * rng.normal(size=(16, 3)).astype("float32")
+    history = model.fit(x, y, batch_size=16, epochs=1, verbose=0)
+    assert float(model.optimizer.dynamic_scale) == 2.0 ** 14
+    assert history.history["dropped_examples"] == [0.0]
+    for a, b in zip(inner.get_weights(), before, strict=True):
+        np.testing.assert_array_equal(a, b)
+    for _ in range(12):  # the scale comes down until steps go through
+        model.fit(x, y, batch_size=16, epochs=1, verbose=0)
+    assert float(model.optimizer.dynamic_scale) < 2.0 ** 14
+    assert any(not np.array_equal(a, b) for a, b in zip(inner.get_weights(), before, strict=True))
+    assert all(np.isfinite(w).all() for w in inner.get_weights())

@@ -134,7 +134,7 @@ def test_supplied_indices_under_shuffling(float64):
         ({"features": x[permutation], INDEX_KEY: permutation}, y[permutation]))
     data = data.shuffle(N, seed=1, reshuffle_each_iteration=True).batch(BATCH)
     monitor = GradientMonitor(num_examples=N)
-    _trainer(monitor).fit(data, epochs=EPOCHS, verbose=0, callbacks=[monitor])
+    _trainer(monitor).fit(data, epochs=EPOCHS, shuffle=False, verbose=0, callbacks=[monitor])
     table = monitor.example_table()
     np.testing.assert_array_equal(table["seen"], np.full(N, EPOCHS))
     assert table["opposed"][ODD] == EPOCHS

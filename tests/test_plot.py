@@ -55,7 +55,7 @@ def test_training_report_from_csv_and_monitor(trained, tmp_path):
     figure = training_report(str(csv_path), path=png)
     assert isinstance(figure, Figure) and len(figure.axes) >= 6
     width, height = _png_size(png)
-    assert 800 <= width <= 2000 and 500 <= height <= 1200
+    assert 1000 <= width <= 2400 and 500 <= height <= 1200
     assert 10_000 < png.stat().st_size < 1_000_000
     assert isinstance(training_report(monitor), Figure)  # no path: nothing written
 

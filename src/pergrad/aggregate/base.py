@@ -118,8 +118,10 @@ def cross_replica(partial: Partial, gathers: bool) -> Partial:
     if not gathers:
         values = context.all_reduce(tf.distribute.ReduceOp.SUM, list(partial.values))
         return Partial(list(values), rows, None, dropped)
-    values = [context.all_gather(v, axis=0) for v in partial.values]
-    include = context.all_gather(partial.include, axis=0)
+    # all_gather forgets static shapes; the non-batch dimensions are known, restore them.
+    values = [tf.reshape(context.all_gather(v, axis=0), [-1, *v.shape[1:]])
+              for v in partial.values]
+    include = tf.reshape(context.all_gather(partial.include, axis=0), [-1])
     return Partial(values, rows, include, dropped)
 
 

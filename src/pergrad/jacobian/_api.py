@@ -75,9 +75,7 @@ class _CompiledDerivative:
         self._call_f = make_caller(f, self.training, what)
         self._last_key: Hashable | None = None
         self._built = False
-        self._dispatch = ShapeDispatch(
-            self._build, name=what, batched=self.batched, jit_compile=self.jit_compile
-        )
+        self._dispatch = ShapeDispatch(self._build, name=what, jit_compile=self.jit_compile)
         self.input_signature = input_signature
         self._signature_fn: Traced | None = None
         if input_signature is not None:

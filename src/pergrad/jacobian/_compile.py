@@ -94,12 +94,10 @@ class ShapeDispatch:
         build: Callable[[Hashable], Callable[..., Any]],
         *,
         name: str,
-        batched: bool,
         jit_compile: bool,
     ) -> None:
         self._build = build
         self._name = name
-        self._batched = batched
         self._jit_compile = jit_compile
         self._by_key: dict[Hashable, Traced] = {}
         self._lock = threading.Lock()

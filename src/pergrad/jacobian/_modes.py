@@ -131,25 +131,28 @@ def jacobian_rev(
     batch = _batch_size(xs) if batched else None
     deps = check_output_batch(ys, y_paths, batch, what) if batched else []
 
+    live = [i for i, s in enumerate(in_shapes) if num_elements(s)]  # empty inputs: zero blocks
+    live_xs = [xs[i] for i in live]
     blocks = []
     for y_k, path in zip(ys, y_paths, strict=True):
         out_shape = static_shape(y_k, path, batched=batched, what=what)
         m = num_elements(out_shape)
-        if m == 0 or any(num_elements(s) == 0 for s in in_shapes):
-            blocks.append(_zero_blocks(xs, out_shape, in_shapes, batch))
+        row_blocks = [tf.zeros(block_shape(batch, out_shape, s), y_k.dtype) for s in in_shapes]
+        if m == 0 or not live:
+            blocks.append(row_blocks)
             continue
 
         def vjp_row(j: tf.Tensor, y_k: tf.Tensor = y_k, out_shape: list[int] = out_shape) -> list:
             u = _basis(j, out_shape, y_k.dtype, y_k if batched else None)
-            return tape.gradient(y_k, xs, output_gradients=u, unconnected_gradients=ZERO)
+            return tape.gradient(y_k, live_xs, output_gradients=u, unconnected_gradients=ZERO)
 
-        rows = stack_map(vjp_row, m, chunk_size)  # per input leaf: (m, [B,] *in_shape)
-        row_blocks = []
-        for r, in_shape in zip(rows, in_shapes, strict=True):
+        rows = stack_map(vjp_row, m, chunk_size)  # per live input leaf: (m, [B,] *in_shape)
+        for i, r in zip(live, rows, strict=True):
             if batched:
                 r = batch_first(r)  # (B, m, *in_shape)
-            with tf.control_dependencies(deps):
-                row_blocks.append(tf.reshape(r, block_shape(batch, out_shape, in_shape)))
+            with tf.control_dependencies(deps):  # blocks take the output's dtype, as in fwd
+                shape = block_shape(batch, out_shape, in_shapes[i])
+                row_blocks[i] = tf.reshape(tf.cast(r, y_k.dtype), shape)
         blocks.append(row_blocks)
     return pack_blocks(y, x, blocks)
 
@@ -172,15 +175,10 @@ def jacobian_fwd(
     columns_by_input: list[list[tf.Tensor]] = []
     out_info: dict[str, Any] = {}
 
-    for l_index, (x_l, in_shape) in enumerate(zip(xs, in_shapes, strict=True)):
+    for x_l, in_shape in zip(xs, in_shapes, strict=True):
         n = num_elements(in_shape)
 
-        def jvp_col(
-            i: tf.Tensor,
-            l_index: int = l_index,
-            x_l: tf.Tensor = x_l,
-            in_shape: list[int] = in_shape,
-        ) -> list:
+        def jvp_col(i: tf.Tensor, x_l: tf.Tensor = x_l, in_shape: list[int] = in_shape) -> list:
             t = _basis(i, in_shape, x_l.dtype, x_l if batched else None)
             with tf.autodiff.ForwardAccumulator(x_l, t) as acc:
                 y = fn(tf.nest.pack_sequence_as(x, xs))
@@ -224,13 +222,6 @@ def _record_outputs(info: dict, y: Any, ys: list, batched: bool, what: str) -> N
         static_shape(t, p, batched=batched, what=what) for t, p in zip(ys, paths, strict=True)
     ]
     info["dtypes"] = [t.dtype for t in ys]
-
-
-def _zero_blocks(xs: list, out_shape: list[int], in_shapes: list[list[int]], batch: Any) -> list:
-    return [
-        tf.zeros(block_shape(batch, out_shape, s), x.dtype)
-        for x, s in zip(xs, in_shapes, strict=True)
-    ]
 
 
 def output_sizes(fn: Callable[[Any], Any], x: Any, *, batched: bool, what: str) -> int:

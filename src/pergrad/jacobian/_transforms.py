@@ -45,10 +45,10 @@ def _as_tf_variable(leaf: Any) -> tf.Variable | None:
 class _Layout:
     """Where the variables sit among the primal leaves, and the primals' nesting.
 
-    Variables are not passed to the compiled function: a variable argument gets its own
-    handle inside the graph, distinct from the handle f's layers capture, so a tape or an
-    accumulator watching the argument would see no use of it. They are captured instead, and
-    the layout (with the variables' identities) is part of the cache key.
+    Variables (for a Keras 3 variable, the tf.Variable inside it) are captured by the
+    compiled function rather than passed as arguments: passing a Keras variable would convert
+    it to a tensor of its value, cut off from f's use of the variable, and the derivative
+    would be zero. The layout, with the variables' identities, is part of the cache key.
     """
 
     def __init__(self, structure: Any, slots: list[tf.Variable | None]) -> None:

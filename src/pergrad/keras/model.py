@@ -187,6 +187,13 @@ class PerExampleModel(keras.Model):
         self._per_example_loss = None
         self._target_order = None
         self._loss_scale = None
+        if model.built:
+            self.built = True
+
+    def build(self, input_shape=None) -> None:
+        if not self.model.built and input_shape is not None:
+            self.model.build(input_shape)
+        self.built = True
 
     # -- Keras plumbing -----------------------------------------------------------------------------
     def call(self, inputs, training=None):

@@ -33,10 +33,10 @@ def _positive(ax, steps, values, **kwargs) -> None:
 
 
 def training_report(source: Any, path: str | os.PathLike | None = None) -> Figure:
-    """A 2 x 3 figure over training steps: loss; per-example gradient norm quantiles (p10-p90
-    band, median) with the batch gradient norm; cosine-to-batch quantiles and the fraction of
+    """A 2 x 4 figure over training steps: loss; per-example gradient norm quantiles (p10-p90
+    band, median) with the batch gradient norm; cosine-to-batch quantiles; the fraction of
     opposed examples; the gradient noise scale ``B_simple``; the norm, inner-product and
-    orthogonality tests; gradient diversity and SNR.
+    orthogonality tests; gradient diversity; SNR.
 
     Args:
         source: a CSV path written by ``GradientMonitor(csv_path=...)`` or the monitor itself.
@@ -44,8 +44,8 @@ def training_report(source: Any, path: str | os.PathLike | None = None) -> Figur
     """
     h = load_history(source)
     steps = h["step"]
-    fig = new_figure(13, 7)
-    axes = fig.subplots(2, 3)
+    fig = new_figure(16, 7)
+    axes = fig.subplots(2, 4)
 
     ax = axes[0, 0]
     ax.plot(steps, h["loss"], color="C0")
@@ -61,15 +61,14 @@ def training_report(source: Any, path: str | os.PathLike | None = None) -> Figur
     ax = axes[0, 2]
     ax.fill_between(steps, h["cosine_p10"], h["cosine_p90"], alpha=0.3, color="C2",
                     label="p10-p90")
-    ax.plot(steps, h["cosine_p50"], color="C2", label="median cos(g_i, G)")
+    ax.plot(steps, h["cosine_p50"], color="C2", label="median")
     ax.axhline(0.0, color="grey", lw=0.8)
-    ax.set(title="Cosine to the batch gradient", xlabel="step", ylim=(-1.05, 1.05))
-    twin = ax.twinx()
-    twin.plot(steps, h["fraction_opposed"], color="C3", lw=1, label="fraction opposed")
-    twin.set(ylim=(0, 1), ylabel="fraction opposed")
-    lines = ax.get_legend_handles_labels()
-    extra = twin.get_legend_handles_labels()
-    ax.legend(lines[0] + extra[0], lines[1] + extra[1], fontsize=8, loc="lower left")
+    ax.set(title="Cosine to the batch gradient, cos(g_i, G)", xlabel="step", ylim=(-1.05, 1.05))
+    ax.legend(fontsize=8)
+
+    ax = axes[0, 3]
+    ax.plot(steps, h["fraction_opposed"], color="C3")
+    ax.set(title="Fraction of examples opposed (cos < 0)", xlabel="step", ylim=(0, 1))
 
     ax = axes[1, 0]
     _positive(ax, steps, h["noise_scale"], color="C4")
@@ -83,10 +82,12 @@ def training_report(source: Any, path: str | os.PathLike | None = None) -> Figur
     ax.legend(fontsize=8)
 
     ax = axes[1, 2]
-    _positive(ax, steps, h["gradient_diversity"], color="C8", label="gradient diversity")
-    _positive(ax, steps, h["snr"], color="C9", label="SNR ||G||^2 / (tr(Sigma)/B)")
-    ax.set(title="Diversity and signal-to-noise", xlabel="step", yscale="log")
-    ax.legend(fontsize=8)
+    _positive(ax, steps, h["gradient_diversity"], color="C8")
+    ax.set(title="Gradient diversity", xlabel="step", yscale="log")
+
+    ax = axes[1, 3]
+    _positive(ax, steps, h["snr"], color="C9")
+    ax.set(title="SNR ||G||^2 / (tr(Sigma)/B)", xlabel="step", yscale="log")
 
     save(fig, path)
     return fig

@@ -89,8 +89,11 @@ def conv_rule(layer, call: LayerCall, grad: tf.Tensor) -> list:
                               layer.padding)
     batch = tf.shape(x)[0]
     k = patches.shape[-2]
-    a = tf.reshape(patches, [batch, -1, k, groups, c_in // groups])
-    a = tf.reshape(tf.transpose(a, [0, 1, 3, 2, 4]), [batch, -1, groups, k * (c_in // groups)])
+    if groups == 1:
+        a = tf.reshape(patches, [batch, -1, 1, k * c_in])
+    else:  # (B, T, K, G, C/G) -> (B, T, G, K * C/G)
+        a = tf.reshape(patches, [batch, -1, k, groups, c_in // groups])
+        a = tf.reshape(tf.transpose(a, [0, 1, 3, 2, 4]), [batch, -1, groups, k * (c_in // groups)])
     dd = tf.reshape(d, [batch, -1, groups, c_out // groups])
     natural = (*layer.kernel_size, c_in // groups, groups, c_out // groups)
     forms = [Factored(layer.kernel, a, dd, natural)]
