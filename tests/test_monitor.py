@@ -13,7 +13,7 @@ import tensorflow as tf
 from oracle import assert_close
 
 import pergrad
-from pergrad.keras.monitor import GradientMonitor, csv_columns
+from pergrad.keras.monitor import LOGGED_STATISTICS, GradientMonitor, csv_columns
 from pergrad.stats import BATCH_STATISTICS, gradient_statistics
 
 INDEX_KEY = "example_index"
@@ -184,10 +184,32 @@ def test_compute_in_a_custom_loop_grows_tables():
     for start in (0, 16):
         stats = step(x[start:start + 8].astype("float32"), y[start:start + 8],
                      tf.range(start, start + 8) * 2)
-    assert set(stats) == set(BATCH_STATISTICS)
+    assert set(stats) == set(LOGGED_STATISTICS)
     assert stats["noise_scale"].dtype == tf.float32
     seen = monitor.example_table()["seen"]
     assert len(seen) == 2 * 23 + 1 and seen.sum() == 16 and seen[46] == 1
+
+
+def test_rankings_follow_the_example_table():
+    """most_conflicting ranks by mean cosine to the rest (default) or by opposed fraction."""
+    inner = _inner()
+    inner.build((None, 3))
+    pex = pergrad.PerExample(inner, SCCE)
+    monitor = GradientMonitor()
+    x, y = _data()
+    step = tf.function(lambda x, y, i: monitor.compute(pex.compute(x, y), indices=i))
+    for start in (0, 8, 16):
+        step(x[start:start + 8].astype("float32"), y[start:start + 8], tf.range(start, start + 8))
+    table = monitor.example_table()
+    seen = np.flatnonzero(table["seen"] > 0)
+    by_rest = monitor.most_conflicting(5)
+    assert np.all(np.diff(table["mean_cosine_to_rest"][by_rest]) >= 0)
+    assert set(by_rest) <= set(seen)
+    assert table["mean_cosine_to_rest"][by_rest[0]] == np.nanmin(table["mean_cosine_to_rest"])
+    by_batch = monitor.most_conflicting(5, against="batch")
+    assert np.all(np.diff(table["opposed_fraction"][by_batch]) <= 0)
+    with pytest.raises(ValueError, match="against must be"):
+        monitor.most_conflicting(3, against="median")
 
 
 def test_bad_arguments():

@@ -28,7 +28,12 @@ def reference(flat: np.ndarray, active: np.ndarray) -> dict[str, float]:
     norms = np.linalg.norm(flat, axis=1)
     all_dots = flat @ mean
     cos = np.where(active, all_dots / (norms * np.sqrt(mean_sq) + 1e-300), 0.0)
+    units = np.where(active[:, None], flat / np.maximum(norms, 1e-300)[:, None], 0.0)
+    rest = units.sum(axis=0)[None] - units
+    rest_cos = np.where(active, np.sum(units * rest, axis=1) / np.linalg.norm(rest, axis=1), 0.0)
     return {
+        "cosine_to_rest": rest_cos,
+        "fraction_against_rest": np.mean(rest_cos[active] < 0),
         "norms": np.where(active, norms, 0.0),
         "dot_to_batch": np.where(active, all_dots, 0.0),
         "cosine_to_batch": cos,

@@ -3,40 +3,68 @@
 Public API (everything else is private):
 
 * per-example gradients: :class:`PerExample`, :func:`per_example_gradients`,
-  :func:`per_example_norms`, :func:`vmap_grad`, :class:`PerExampleResult`
+  :func:`per_example_norms`, :func:`vmap_grad`, :class:`PerExampleResult`,
+  :class:`MixesExamplesError`
 * Keras training with custom aggregation: :mod:`pergrad.keras`, :mod:`pergrad.aggregate`
 * privacy accounting: :mod:`pergrad.privacy`
 * gradient analysis: :mod:`pergrad.stats`, :mod:`pergrad.plot`
-* Jacobians: :func:`jacobian`, :func:`jacfwd`, :func:`jacrev`, :func:`jvp`, :func:`vjp`,
-  :func:`hvp`, :func:`hessian` (the module is ``pergrad.jacobian``; import its other names with
-  ``from pergrad.jacobian import ...``, since ``pergrad.jacobian`` the attribute is the function)
+* Jacobians: :func:`jacobian` (``pergrad.jacobian`` is both the module and the function),
+  :func:`jacfwd`, :func:`jacrev`, :func:`jvp`, :func:`vjp`, :func:`hvp`, :func:`hessian`
+
+Names are imported on first use, so ``import pergrad`` (and ``pergrad --help``) does not load
+TensorFlow until something needs it.
 """
 
-from pergrad import aggregate, keras, plot, privacy, stats
-from pergrad._functional import per_example_gradients, per_example_norms, vmap_grad
-from pergrad.engine import PerExample, PerExampleResult
-from pergrad.jacobian import hessian, hvp, jacfwd, jacobian, jacrev, jvp, vjp
-from pergrad.rules.normalization import MixesExamplesError
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
 
 __version__ = "0.1.0"
 
-__all__ = [
-    "MixesExamplesError",
-    "PerExample",
-    "PerExampleResult",
-    "aggregate",
-    "hessian",
-    "hvp",
-    "jacfwd",
-    "jacobian",
-    "jacrev",
-    "jvp",
-    "keras",
-    "per_example_gradients",
-    "per_example_norms",
-    "plot",
-    "privacy",
-    "stats",
-    "vjp",
-    "vmap_grad",
-]
+# name -> (module, attribute); attribute None means the module itself.
+_EXPORTS: dict[str, tuple[str, str | None]] = {
+    "MixesExamplesError": ("pergrad.rules.normalization", "MixesExamplesError"),
+    "PerExample": ("pergrad.engine", "PerExample"),
+    "PerExampleResult": ("pergrad.engine", "PerExampleResult"),
+    "aggregate": ("pergrad.aggregate", None),
+    "hessian": ("pergrad.jacobian", "hessian"),
+    "hvp": ("pergrad.jacobian", "hvp"),
+    "jacfwd": ("pergrad.jacobian", "jacfwd"),
+    "jacobian": ("pergrad.jacobian", None),
+    "jacrev": ("pergrad.jacobian", "jacrev"),
+    "jvp": ("pergrad.jacobian", "jvp"),
+    "keras": ("pergrad.keras", None),
+    "per_example_gradients": ("pergrad._functional", "per_example_gradients"),
+    "per_example_norms": ("pergrad._functional", "per_example_norms"),
+    "plot": ("pergrad.plot", None),
+    "privacy": ("pergrad.privacy", None),
+    "stats": ("pergrad.stats", None),
+    "vjp": ("pergrad.jacobian", "vjp"),
+    "vmap_grad": ("pergrad._functional", "vmap_grad"),
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    try:
+        module_name, attribute = _EXPORTS[name]
+    except KeyError:
+        raise AttributeError(f"module 'pergrad' has no attribute {name!r}") from None
+    module = importlib.import_module(module_name)
+    value = module if attribute is None else getattr(module, attribute)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_EXPORTS))
+
+
+if TYPE_CHECKING:  # what the lazy names are, for type checkers and IDEs
+    from pergrad import aggregate, jacobian, keras, plot, privacy, stats  # noqa: F401
+    from pergrad._functional import per_example_gradients, per_example_norms, vmap_grad  # noqa: F401
+    from pergrad.engine import PerExample, PerExampleResult  # noqa: F401
+    from pergrad.jacobian import hessian, hvp, jacfwd, jacrev, jvp, vjp  # noqa: F401
+    from pergrad.rules.normalization import MixesExamplesError  # noqa: F401

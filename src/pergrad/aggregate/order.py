@@ -86,11 +86,10 @@ def custom(fn) -> Aggregator:
 
     def finalize(partial: Partial, step) -> list:
         values = list(partial.values)
-        squared = [tf.reduce_sum(tf.reshape(tf.square(tf.cast(v, tf.float32)
-                                                      if v.dtype.size < 4 else v),
-                                            [tf.shape(v)[0], -1]), axis=1) for v in values]
-        dtype = squared[0].dtype
-        norms = tf.sqrt(tf.add_n([tf.cast(s, dtype) for s in squared]))
+        dtype = tf.float64 if any(v.dtype == tf.float64 for v in values) else tf.float32
+        norms = tf.sqrt(tf.add_n([
+            tf.reduce_sum(tf.square(tf.reshape(tf.cast(v, dtype), [tf.shape(v)[0], -1])), axis=1)
+            for v in values]))
         out = fn(values, norms)
         out = list(out) if isinstance(out, (list, tuple)) else [out]
         if len(out) != len(values):

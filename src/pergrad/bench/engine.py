@@ -55,14 +55,15 @@ def run(quick: bool = False, models: tuple[str, ...] = ("mlp", "cnn", "transform
             x, y = batch(name, size)
             x, y = tf.constant(x), tf.constant(y)
             step = batch_gradient_fn(model)
-            base, n = median_seconds(lambda: step(x, y), repeats=repeats, budget_s=budget)
+            base, n = median_seconds(lambda s=step, x=x, y=y: s(x, y), repeats=repeats,
+                                     budget_s=budget)
             rows.append(dict(model=name, batch=size, strategy="batch gradient",
                              method="-", seconds=base, ratio=1.0, calls=n))
             for strategy in strategies:
                 pex = pergrad.PerExample(model, LOSS, strategy=strategy)
-                calls = {"gradients": lambda p=pex: p.gradients(x, y),
-                         "norms": lambda p=pex: p.norms(x, y),
-                         "clipped_sum": lambda p=pex: p.clipped_sum(x, y, 1.0)}
+                calls = {"gradients": lambda p=pex, x=x, y=y: p.gradients(x, y),
+                         "norms": lambda p=pex, x=x, y=y: p.norms(x, y),
+                         "clipped_sum": lambda p=pex, x=x, y=y: p.clipped_sum(x, y, 1.0)}
                 for method in BASELINE_METHODS[strategy]:
                     seconds, n = median_seconds(calls[method], repeats=repeats, budget_s=budget)
                     rows.append(dict(model=name, batch=size, strategy=strategy, method=method,

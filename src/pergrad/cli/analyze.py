@@ -18,9 +18,9 @@ def _positive_int(text: str) -> int:
     try:
         value = int(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
     if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
     return value
 
 
@@ -28,9 +28,9 @@ def _fraction(text: str) -> float:
     try:
         value = float(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number in [0, 0.5], got {text!r}")
+        raise argparse.ArgumentTypeError(f"expected a number in [0, 0.5], got {text!r}") from None
     if not 0.0 <= value <= 0.5:
-        raise argparse.ArgumentTypeError(f"expected a number in [0, 0.5], got {text!r}")
+        raise argparse.ArgumentTypeError(f"expected a number in [0, 0.5], got {text!r}") from None
     return value
 
 
@@ -95,20 +95,21 @@ def run(args: argparse.Namespace) -> int:
 
     table = monitor.example_table()
     order = monitor.most_conflicting(n)
-    conflict = np.zeros(n)
-    conflict[order] = np.linspace(1.0, 0.0, len(order))  # rank score: most conflicting first
+    conflict = -np.nan_to_num(table["mean_cosine_to_rest"], nan=0.0)  # high: fights the rest
+    opposed = np.nan_to_num(table["opposed_fraction"], nan=0.0)
     final_losses = PerExample(model.model, loss).losses(x_train, y_train).numpy()
     summary = {
         "examples": n, "epochs": args.epochs, "batch_size": args.batch_size,
         "aggregator": args.aggregator, "label_noise": args.label_noise, "seed": args.seed,
         "final": {k: float(v[-1]) for k, v in history.history.items()},
         "most_conflicting": [int(i) for i in order[:16]],
-        "opposed_fraction_of_most_conflicting": [float(table["opposed_fraction"][i])
-                                                 for i in order[:16]],
+        "mean_cosine_to_rest_of_most_conflicting": [float(table["mean_cosine_to_rest"][i])
+                                                    for i in order[:16]],
     }
     if flipped.any():
         summary["label_noise_detection"] = {
-            "gradient_conflict": demo.detection_scores(conflict, flipped),
+            "conflict_with_rest": demo.detection_scores(conflict, flipped),
+            "opposed_to_batch_gradient": demo.detection_scores(opposed, flipped),
             "per_example_loss": demo.detection_scores(final_losses, flipped),
         }
     plot.training_report(monitor, path=os.path.join(args.out, "report.png"))
@@ -122,8 +123,9 @@ def run(args: argparse.Namespace) -> int:
         detection = summary["label_noise_detection"]
         print(f"finding the {int(flipped.sum())} flipped labels (k = {int(flipped.sum())}):")
         print(f"  {'ranking by':<22}{'precision@k':>12}{'ROC AUC':>10}")
-        for name, key in (("gradient conflict", "gradient_conflict"),
-                          ("per-example loss", "per_example_loss")):
+        for name, key in (("conflict with the rest", "conflict_with_rest"),
+                          ("opposed to batch grad", "opposed_to_batch_gradient"),
+                          ("final per-example loss", "per_example_loss")):
             print(f"  {name:<22}{detection[key]['precision_at_k']:>12.3f}"
                   f"{detection[key]['roc_auc']:>10.3f}")
     print(f"wrote {args.out}/metrics.csv, report.png, conflicting_examples.png, summary.json "

@@ -11,9 +11,9 @@ def _csv(kind):
         try:
             values = tuple(kind(part) for part in text.split(",") if part)
         except ValueError:
-            raise argparse.ArgumentTypeError(f"expected a comma-separated list, got {text!r}")
+            raise argparse.ArgumentTypeError(f"expected a comma-separated list, got {text!r}") from None
         if not values:
-            raise argparse.ArgumentTypeError("the list is empty")
+            raise argparse.ArgumentTypeError("the list is empty") from None
         return values
     return parse
 

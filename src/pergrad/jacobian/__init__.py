@@ -8,6 +8,9 @@
 Independent of the rest of pergrad. See docs/jacobian.md.
 """
 
+import sys
+import types
+
 from pergrad.jacobian._api import Hessian, Jacobian, hessian, jacfwd, jacobian, jacrev
 from pergrad.jacobian._compile import trace_counts
 from pergrad.jacobian._transforms import hvp, jvp, vjp
@@ -24,3 +27,15 @@ __all__ = [
     "trace_counts",
     "vjp",
 ]
+
+
+class _CallableModule(types.ModuleType):
+    """``pergrad.jacobian`` is this module *and* the function: ``pergrad.jacobian(f)`` calls
+    :func:`jacobian`, while ``pergrad.jacobian.jvp`` and ``from pergrad.jacobian import jvp`` work
+    as for any module, in whichever order they are first used."""
+
+    def __call__(self, *args, **kwargs):
+        return jacobian(*args, **kwargs)
+
+
+sys.modules[__name__].__class__ = _CallableModule

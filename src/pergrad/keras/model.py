@@ -212,9 +212,6 @@ class PerExampleModel(keras.Model):
             loss, loss_weights, output_names, dict_outputs)
         self._per_example = None
 
-    def get_compile_config(self):
-        return super().get_compile_config()
-
     def compile_from_config(self, config) -> None:
         config = keras.saving.deserialize_keras_object(config)
         self.compile(**config)
@@ -252,6 +249,7 @@ class PerExampleModel(keras.Model):
         if self._per_example is None:
             if self._per_example_loss is None:
                 raise ValueError("Call compile(loss=...) before training a PerExampleModel.")
+
             def with_scale(leaf):
                 def scaled(y_true, y_pred):
                     values = leaf(y_true, y_pred)

@@ -12,7 +12,15 @@ import numpy as np
 import tensorflow as tf
 
 from pergrad.engine import PerExampleResult
-from pergrad.stats import BATCH_STATISTICS, active_examples, statistics_from_result
+from pergrad.stats import (
+    BATCH_STATISTICS,
+    CONSENSUS_STATISTICS,
+    active_examples,
+    statistics_from_result,
+)
+
+#: The scalars the monitor logs each monitored step.
+LOGGED_STATISTICS = (*BATCH_STATISTICS, *CONSENSUS_STATISTICS)
 
 #: The quantiles of per-example norms and cosines written to the CSV and TensorBoard.
 QUANTILES = (0.1, 0.5, 0.9)
@@ -28,7 +36,7 @@ _ORDER_WARNING = (
 def csv_columns(quantiles: tuple[float, ...] = QUANTILES) -> list[str]:
     """The CSV header: ``step, epoch, loss``, the batch statistics, then the quantile columns."""
     qs = [f"p{round(100 * q)}" for q in quantiles]
-    return (["step", "epoch", "loss", *BATCH_STATISTICS]
+    return (["step", "epoch", "loss", *LOGGED_STATISTICS]
             + [f"norm_{q}" for q in qs] + [f"cosine_{q}" for q in qs])
 
 
@@ -100,7 +108,7 @@ class GradientMonitor(keras.callbacks.Callback):
         self._position = var(0, tf.int64)
         self._last_step = var(-1, tf.int64)
         # The last monitored step's batch statistics, then its mean loss.
-        self._last_stats = var(np.full(len(BATCH_STATISTICS) + 1, np.nan), tf.float64)
+        self._last_stats = var(np.full(len(LOGGED_STATISTICS) + 1, np.nan), tf.float64)
         self._last_norms = var(np.zeros(0), tf.float64, unknown)
         self._last_cosines = var(np.zeros(0), tf.float64, unknown)
         self._last_active = var(np.zeros(0, bool), tf.bool, unknown)
@@ -108,13 +116,15 @@ class GradientMonitor(keras.callbacks.Callback):
         self._seen = var(np.zeros(size, np.int64), tf.int64, unknown)
         self._opposed = var(np.zeros(size, np.int64), tf.int64, unknown)
         self._cosine_sum = var(np.zeros(size), tf.float64, unknown)
+        self._against = var(np.zeros(size, np.int64), tf.int64, unknown)
+        self._rest_cosine_sum = var(np.zeros(size), tf.float64, unknown)
 
     # -- inside the training step ---------------------------------------------------------------
     def compute(self, result: PerExampleResult, indices: Any = None,
                 sample_weight: Any = None) -> dict[str, tf.Tensor]:
         """The batch-level statistics of this step (traceable; call it in the train step).
 
-        Returns ``{name: scalar}`` for the names in ``pergrad.stats.BATCH_STATISTICS``, in the
+        Returns ``{name: scalar}`` for the names in ``pergrad.stats.LOGGED_STATISTICS``, in the
         result's norm dtype. Also records what the callback writes and the per-example counts.
         """
         step = self._step.read_value()
@@ -134,14 +144,15 @@ class GradientMonitor(keras.callbacks.Callback):
             active = active_examples(sample_weight, result.batch_size)
             mask = tf.cast(active, result.losses.dtype)
             loss = tf.reduce_sum(result.losses * mask) / tf.maximum(tf.reduce_sum(mask), 1)
-            values = tf.cast(tf.stack([stats[k] for k in BATCH_STATISTICS]
+            values = tf.cast(tf.stack([stats[k] for k in LOGGED_STATISTICS]
                                       + [tf.cast(loss, stats["norms"].dtype)]), tf.float64)
             cosines = tf.cast(stats["cosine_to_batch"], tf.float64)
             updates = [self._last_stats.assign(values), self._last_step.assign(step),
                        self._last_norms.assign(tf.cast(stats["norms"], tf.float64)),
                        self._last_cosines.assign(cosines), self._last_active.assign(active)]
             if self.track_examples:
-                updates.append(self._count(indices, active, cosines))
+                rest = tf.cast(stats["cosine_to_rest"], tf.float64)
+                updates.append(self._count(indices, active, cosines, rest))
             with tf.control_dependencies(updates):
                 return tf.identity(values)
 
@@ -150,13 +161,15 @@ class GradientMonitor(keras.callbacks.Callback):
 
         values = tf.cond(tf.equal(step % self.every_n_steps, 0), monitored, skipped)
         dtype = result.norm_dtype
-        return {k: tf.cast(values[i], dtype) for i, k in enumerate(BATCH_STATISTICS)}
+        return {k: tf.cast(values[i], dtype) for i, k in enumerate(LOGGED_STATISTICS)}
 
-    def _count(self, indices, active, cosines) -> tf.Operation:
+    def _count(self, indices, active, cosines, rest_cosines) -> tf.Operation:
         idx = tf.boolean_mask(tf.cast(tf.reshape(indices, [-1]), tf.int64), active)
         cos = tf.boolean_mask(cosines, active)
+        rest = tf.boolean_mask(rest_cosines, active)
         needed = tf.reduce_max(tf.concat([idx + 1, tf.zeros([1], tf.int64)], 0))
-        tables = (self._seen, self._opposed, self._cosine_sum)
+        tables = (self._seen, self._opposed, self._cosine_sum, self._against,
+                  self._rest_cosine_sum)
 
         def grow():
             extra = needed - tf.size(self._seen, out_type=tf.int64)
@@ -170,27 +183,49 @@ class GradientMonitor(keras.callbacks.Callback):
             where = idx[:, None]
             ops = [self._seen.scatter_nd_add(where, tf.ones_like(idx)),
                    self._opposed.scatter_nd_add(where, tf.cast(cos < 0, tf.int64)),
-                   self._cosine_sum.scatter_nd_add(where, cos)]
+                   self._cosine_sum.scatter_nd_add(where, cos),
+                   self._against.scatter_nd_add(where, tf.cast(rest < 0, tf.int64)),
+                   self._rest_cosine_sum.scatter_nd_add(where, rest)]
         return tf.group(ops)
 
     # -- per-example results --------------------------------------------------------------------
     def example_table(self) -> dict[str, np.ndarray]:
-        """Per training-example index: ``index``, ``seen``, ``opposed``, ``mean_cosine`` and
-        ``opposed_fraction = opposed / seen`` (NaN for examples never seen)."""
-        seen = self._seen.numpy()
-        opposed = self._opposed.numpy()
-        with np.errstate(invalid="ignore", divide="ignore"):
-            mean_cosine = np.where(seen > 0, self._cosine_sum.numpy() / seen, np.nan)
-            fraction = np.where(seen > 0, opposed / seen, np.nan)
-        return {"index": np.arange(len(seen)), "seen": seen, "opposed": opposed,
-                "mean_cosine": mean_cosine, "opposed_fraction": fraction}
+        """Per training-example index (NaN fractions and means for examples never seen):
 
-    def most_conflicting(self, k: int = 16) -> np.ndarray:
-        """The ``k`` seen example indices with the highest opposed fraction (ties: lowest mean
-        cosine first)."""
+        * ``seen``: monitored batches the example was in;
+        * against the batch gradient ``G``: ``opposed`` (cosine < 0), ``opposed_fraction``,
+          ``mean_cosine``;
+        * against the rest of the batch's consensus (``cosine_to_rest``, one vote per
+          example): ``against_rest``, ``against_rest_fraction``, ``mean_cosine_to_rest``.
+        """
+        seen = self._seen.numpy()
+        opposed, against = self._opposed.numpy(), self._against.numpy()
+        with np.errstate(invalid="ignore", divide="ignore"):
+            def mean(values):
+                return np.where(seen > 0, values / seen, np.nan)
+            return {"index": np.arange(len(seen)), "seen": seen, "opposed": opposed,
+                    "mean_cosine": mean(self._cosine_sum.numpy()),
+                    "opposed_fraction": mean(opposed), "against_rest": against,
+                    "against_rest_fraction": mean(against),
+                    "mean_cosine_to_rest": mean(self._rest_cosine_sum.numpy())}
+
+    def most_conflicting(self, k: int = 16, against: str = "rest") -> np.ndarray:
+        """The ``k`` seen example indices that fought the others most.
+
+        ``against="rest"`` (default) ranks by the lowest mean ``cosine_to_rest`` (each example's
+        gradient against the consensus of the other examples of its batches); ``"batch"`` ranks
+        by the highest fraction of steps opposed to the batch gradient (ties: lowest mean
+        cosine). See :func:`pergrad.stats.formulas.consensus_statistics` for why "rest" finds
+        mislabeled examples and "batch" does not.
+        """
+        if against not in ("rest", "batch"):
+            raise ValueError(f"against must be 'rest' or 'batch', got {against!r}.")
         table = self.example_table()
         seen = table["seen"] > 0
-        order = np.lexsort((table["mean_cosine"][seen], -table["opposed_fraction"][seen]))
+        if against == "rest":
+            order = np.argsort(table["mean_cosine_to_rest"][seen], kind="stable")
+        else:
+            order = np.lexsort((table["mean_cosine"][seen], -table["opposed_fraction"][seen]))
         return table["index"][seen][order][:k]
 
     def last_per_example(self) -> dict[str, np.ndarray]:
@@ -225,7 +260,7 @@ class GradientMonitor(keras.callbacks.Callback):
         values = self._last_stats.numpy()
         per_example = self.last_per_example()
         row: dict[str, float] = {"step": step, "epoch": self._epoch, "loss": float(values[-1])}
-        row.update({k: float(v) for k, v in zip(BATCH_STATISTICS, values, strict=False)})
+        row.update({k: float(v) for k, v in zip(LOGGED_STATISTICS, values, strict=False)})
         for name, key in (("norm", "norms"), ("cosine", "cosine_to_batch")):
             data = per_example[key]
             for q in QUANTILES:

@@ -34,10 +34,11 @@ def _image(value: Any) -> np.ndarray:
 
 def conflicting_examples(monitor: Any, images: Any, labels: Any, k: int = 16,
                          path: str | os.PathLike | None = None) -> Figure:
-    """A grid of the ``k`` examples that most often opposed the batch gradient
-    (``monitor.most_conflicting(k)``: highest opposed fraction, ties by lowest mean cosine).
+    """A grid of the ``k`` examples whose gradients fought the rest of their batches most
+    (``monitor.most_conflicting(k)``: lowest mean cosine to the consensus of the other examples).
 
-    Each title gives the example index, its label and ``opposed / seen``.
+    Each title gives the example index, its label, its mean ``cosine_to_rest`` and how often it
+    pointed against the rest (``against / seen``).
 
     Args:
         monitor: a ``GradientMonitor`` that tracked examples while training.
@@ -64,7 +65,8 @@ def conflicting_examples(monitor: Any, images: Any, labels: Any, k: int = 16,
         image = _image(images[index])
         ax.imshow(image, cmap="gray" if image.ndim == 2 else None)
         ax.set_title(f"#{index} label {_label(labels[index])}\n"
-                     f"opposed {table['opposed'][index]}/{table['seen'][index]}", fontsize=8)
-    fig.suptitle("Examples whose gradient most often opposed the batch gradient", fontsize=10)
+                     f"cos {table['mean_cosine_to_rest'][index]:+.2f}, against "
+                     f"{table['against_rest'][index]}/{table['seen'][index]}", fontsize=8)
+    fig.suptitle("Examples whose gradients fight the rest of their batches", fontsize=10)
     save(fig, path)
     return fig

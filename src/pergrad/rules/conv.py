@@ -58,6 +58,9 @@ def extract_patches(x: tf.Tensor, kernel_size, strides, dilation, padding: str) 
     return tf.stack(slices, axis=-2)
 
 
+_IDENTITY_CONV_MAX_WIDTH = 128
+
+
 def _image_patches(x: tf.Tensor, kernel_size, strides, dilation) -> tf.Tensor:
     """``tf.image.extract_patches`` on an already padded 1D or 2D input (1D as height 1)."""
     one_d = x.shape.rank == 3
@@ -65,8 +68,16 @@ def _image_patches(x: tf.Tensor, kernel_size, strides, dilation) -> tf.Tensor:
         x = x[:, None]
         kernel_size, strides, dilation = (1, *kernel_size), (1, *strides), (1, *dilation)
     channels = x.shape[-1]
-    patches = tf.image.extract_patches(x, [1, *kernel_size, 1], [1, *strides, 1],
-                                       [1, *dilation, 1], "VALID")
+    width = kernel_size[0] * kernel_size[1] * channels
+    if width <= _IDENTITY_CONV_MAX_WIDTH:
+        # Few input channels: a convolution with a one-hot kernel gathers the patches faster
+        # than extract_patches (2.6 vs 7.1 ms for the 8x8x1 kernel of the benchmark CNN).
+        one_hot = tf.reshape(tf.eye(width, dtype=x.dtype), [*kernel_size, channels, width])
+        patches = tf.nn.convolution(x, one_hot, strides=list(strides), padding="VALID",
+                                    dilations=list(dilation))
+    else:
+        patches = tf.image.extract_patches(x, [1, *kernel_size, 1], [1, *strides, 1],
+                                           [1, *dilation, 1], "VALID")
     patches = tf.reshape(patches, [tf.shape(x)[0], *patches.shape[1:3],
                                    kernel_size[0] * kernel_size[1], channels])
     return patches[:, 0] if one_d else patches

@@ -21,7 +21,6 @@ import tensorflow as tf
 from pergrad.rules import LayerCall, register
 from pergrad.rules.forms import Materialized
 
-
 _RMS = (keras.layers.RMSNormalization,) if hasattr(keras.layers, "RMSNormalization") else ()
 
 

