@@ -34,24 +34,31 @@ def _padding_and_size(n: int, k: int, s: int, d: int, padding: str) -> tuple[int
     return 0, 0, (n - span) // s + 1
 
 
+def pad_input(x: tf.Tensor, kernel_size, strides, dilation, padding: str) -> tuple:
+    """``x`` (channels last) padded as the layer pads it, and the output size per axis; after
+    this every padding mode is ``VALID``."""
+    geometry = [_padding_and_size(int(n), k, s, d, padding)
+                for n, k, s, d in zip(x.shape[1:-1], kernel_size, strides, dilation, strict=True)]
+    if any(before or after for before, after, _ in geometry):
+        x = tf.pad(x, [[0, 0], *[[b, a] for b, a, _ in geometry], [0, 0]])
+    return x, [out for _, _, out in geometry]
+
+
 def extract_patches(x: tf.Tensor, kernel_size, strides, dilation, padding: str) -> tf.Tensor:
     """Patches of channels-last ``x``: ``(B, out_1, ..., out_n, K, C)``, ``K`` in kernel order.
 
-    One ``tf.image.extract_patches`` for 1D and 2D inputs; strided slices (one per kernel
-    offset) for 3D.
+    One ``tf.image.extract_patches`` (or one-hot convolution) for 1D and 2D inputs; strided
+    slices (one per kernel offset) for 3D.
     """
     spatial = x.shape[1:-1]
-    geometry = [_padding_and_size(int(n), k, s, d, padding)
-                for n, k, s, d in zip(spatial, kernel_size, strides, dilation, strict=True)]
-    if any(before or after for before, after, _ in geometry):
-        x = tf.pad(x, [[0, 0], *[[b, a] for b, a, _ in geometry], [0, 0]])
+    x, sizes = pad_input(x, kernel_size, strides, dilation, padding)
     if len(spatial) <= 2:
         return _image_patches(x, kernel_size, strides, dilation)
     slices = []
     for offset in itertools.product(*[range(k) for k in kernel_size]):
         begin = [0, *[o * d for o, d in zip(offset, dilation, strict=True)], 0]
-        end = [0, *[o * d + (out - 1) * s + 1 for o, d, s, (_, _, out)
-                    in zip(offset, dilation, strides, geometry, strict=True)], 0]
+        end = [0, *[o * d + (out - 1) * s + 1 for o, d, s, out
+                    in zip(offset, dilation, strides, sizes, strict=True)], 0]
         slices.append(tf.strided_slice(x, begin, end, [1, *strides, 1],
                                        begin_mask=1 | (1 << (len(spatial) + 1)),
                                        end_mask=1 | (1 << (len(spatial) + 1))))
@@ -107,10 +114,27 @@ def conv_rule(layer, call: LayerCall, grad: tf.Tensor) -> list:
         a = tf.reshape(tf.transpose(a, [0, 1, 3, 2, 4]), [batch, -1, groups, k * (c_in // groups)])
     dd = tf.reshape(d, [batch, -1, groups, c_out // groups])
     natural = (*layer.kernel_size, c_in // groups, groups, c_out // groups)
-    forms = [Factored(layer.kernel, a, dd, natural)]
+    summed = None
+    if groups == 1:
+        def summed(coefficients):
+            return _filter_gradient(layer, x, d * tf.cast(coefficients, dtype)[
+                (slice(None),) + (None,) * (d.shape.rank - 1)])
+    forms = [Factored(layer.kernel, a, dd, natural, summed=summed)]
     if layer.use_bias:
         forms.append(Materialized(layer.bias, tf.reduce_sum(tf.reshape(d, [batch, -1, c_out]), 1)))
     return forms
+
+
+def _filter_gradient(layer, x: tf.Tensor, d: tf.Tensor) -> tf.Tensor:
+    """``sum_i P_i^T D_i``: the ordinary (batch) kernel gradient of ``<conv(x, W), d>``, which
+    TensorFlow's own filter-gradient kernel computes far faster than a GEMM over patches."""
+    padded, _ = pad_input(x, layer.kernel_size, layer.strides, layer.dilation_rate, layer.padding)
+    kernel = tf.zeros(layer.kernel.shape, x.dtype)
+    with tf.GradientTape() as tape:
+        tape.watch(kernel)
+        out = tf.nn.convolution(padded, kernel, strides=list(layer.strides), padding="VALID",
+                                dilations=list(layer.dilation_rate))
+    return tape.gradient(out, kernel, output_gradients=d)
 
 
 def _plain(layer) -> bool:
