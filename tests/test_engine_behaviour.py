@@ -225,3 +225,36 @@ def test_random_dense_and_conv_shapes(kind, d_in, d_out, steps, kernel, stride, 
     finally:
         keras.config.set_floatx("float32")
         keras.config.set_dtype_policy("float32")
+
+
+@pytest.mark.parametrize("name", ["mlp", "conv2d_same_stride2", "embedding"])
+def test_masked_and_scaled_results(name, float64):
+    """masked(keep) zeroes dropped examples exactly, NaN rows included; scaled(f) scales."""
+    case = zoo.ALL[name]()
+    x = np.array(case.x, dtype=float if name != "embedding" else None)
+    expected = _oracle(case)
+    pex = pergrad.PerExample(case.model, case.loss)
+    keep = np.array([True, False, True, True, False])
+    poisoned = x.copy()
+    if name != "embedding":
+        poisoned[1] = np.nan  # example 1's gradient is NaN
+    c = np.linspace(0.5, 1.5, 5)
+
+    @tf.function
+    def run(x, y):
+        result = pex.compute(x, y)
+        kept = result.masked(tf.constant(keep))
+        half = result.scaled(0.5)
+        return (kept.weighted_sum(tf.constant(c)), kept.norms(), kept.losses,
+                half.norms(), half.gradients())
+
+    summed, norms, losses, half_norms, half_grads = run(poisoned, case.y)
+    for s, e in zip(summed, expected, strict=True):
+        assert_close(s, np.tensordot(c * keep, e, axes=1))
+    flat = np.concatenate([e.reshape(5, -1) for e in expected], axis=1)
+    assert_close(norms, np.linalg.norm(flat, axis=1) * keep)
+    assert np.all(np.isfinite(losses.numpy())) and losses.numpy()[1] == 0.0
+    if name == "embedding":  # no NaN row: the scaled view is checked against the oracle
+        assert_close(half_norms, 0.5 * np.linalg.norm(flat, axis=1))
+        for g, e in zip(half_grads, expected, strict=True):
+            assert_close(g, 0.5 * e)

@@ -13,7 +13,6 @@ Keras); only examples with a non-finite loss are dropped.
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 
 import tensorflow as tf
@@ -55,72 +54,17 @@ def finite_examples(result: PerExampleResult, squared_norms: list, batch: Batch)
 
 
 def masked(result: PerExampleResult, keep: tf.Tensor) -> PerExampleResult:
-    """``result`` with the rows of examples where ``keep`` is false set to zero.
-
-    Workaround: the engine has no masking API, so this relies on the gradient forms being
-    dataclasses whose floating-point tensor fields all have the batch as their first axis
-    (true for ``Factored``, ``Materialized`` and ``Rows``). Anything else is materialized.
-    """
-    forms = [None if f is None else _masked_form(f, keep) for f in result.forms]
-    losses = tf.where(keep, result.losses, tf.zeros_like(result.losses))
-    return PerExampleResult(result.variables, forms, losses, result.predictions)
-
-
-def _zero_rows(t: tf.Tensor, keep: tf.Tensor) -> tf.Tensor:
-    mask = tf.reshape(keep, [-1] + [1] * (t.shape.rank - 1))
-    return tf.where(mask, t, tf.zeros_like(t))
-
-
-def _masked_form(form, keep: tf.Tensor):
-    if isinstance(form, _Scaled):
-        return _Scaled(_masked_form(form.inner, keep), form.factor)
-    if dataclasses.is_dataclass(form):
-        changes = {f.name: _zero_rows(getattr(form, f.name), keep)
-                   for f in dataclasses.fields(form)
-                   if isinstance(getattr(form, f.name), tf.Tensor)
-                   and getattr(form, f.name).dtype.is_floating
-                   and getattr(form, f.name).shape.rank}
-        return dataclasses.replace(form, **changes)
-    from pergrad.rules.forms import Materialized
-    return Materialized(form.variable, _zero_rows(form.materialize(), keep))
-
-
-class _Scaled:
-    """A form whose gradients are ``factor`` times those of ``inner`` (loss-scale removal)."""
-
-    def __init__(self, inner, factor: tf.Tensor) -> None:
-        self.inner, self.factor, self.variable = inner, factor, inner.variable
-
-    def _f(self, t: tf.Tensor) -> tf.Tensor:
-        return t * tf.cast(self.factor, t.dtype)
-
-    def _f2(self, t: tf.Tensor) -> tf.Tensor:
-        return t * tf.cast(self.factor, t.dtype) ** 2
-
-    def materialize(self):
-        return self._f(self.inner.materialize())
-
-    def squared_norms(self):
-        return self._f2(self.inner.squared_norms())
-
-    def dots(self, vector):
-        return self._f(self.inner.dots(vector))
-
-    def weighted_sum(self, coefficients):
-        return self._f(self.inner.weighted_sum(coefficients))
-
-    def gram(self):
-        return self._f2(self.inner.gram())
+    """``result`` with the rows of examples where ``keep`` is false set to zero
+    (:meth:`PerExampleResult.masked`)."""
+    return result.masked(keep)
 
 
 def scaled(result: PerExampleResult, factor) -> PerExampleResult:
-    """A view of ``result`` whose gradients and losses are multiplied by ``factor``.
+    """A view of ``result`` whose gradients and losses are multiplied by ``factor``
+    (:meth:`PerExampleResult.scaled`).
 
     ``PerExampleModel`` runs the backward pass on ``S * loss`` (loss scaling) and hands
     aggregators and monitors ``scaled(result, 1 / S)``: every quantity is then the unscaled one,
     computed in the forms' own (float32) precision.
     """
-    factor = tf.convert_to_tensor(factor)
-    forms = [None if f is None else _Scaled(f, factor) for f in result.forms]
-    losses = result.losses * tf.cast(factor, result.losses.dtype)
-    return PerExampleResult(result.variables, forms, losses, result.predictions)
+    return result.scaled(factor)

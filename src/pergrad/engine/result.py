@@ -7,7 +7,7 @@ from typing import Any
 
 import tensorflow as tf
 
-from pergrad.rules.forms import Form
+from pergrad.rules.forms import Form, Scaled
 
 
 @dataclass
@@ -98,3 +98,18 @@ class PerExampleResult:
             tf.zeros(v.shape, v.dtype) if f is None else tf.cast(f.weighted_sum(c), v.dtype)
             for v, f, c in zip(self.variables, self.forms, coefficients, strict=True)
         ]
+
+    def masked(self, keep: tf.Tensor) -> PerExampleResult:
+        """This result with examples where ``keep`` (``(B,)`` bool) is false removed: their
+        gradients and losses become exactly zero, even where they were NaN or inf."""
+        forms = [None if f is None else f.masked(keep) for f in self.forms]
+        losses = tf.where(keep, self.losses, tf.zeros_like(self.losses))
+        return PerExampleResult(self.variables, forms, losses, self.predictions)
+
+    def scaled(self, factor) -> PerExampleResult:
+        """A view with every gradient and loss multiplied by ``factor`` (norms by ``|factor|``),
+        e.g. ``1 / S`` after a backward pass of the loss scaled by ``S``."""
+        factor = tf.convert_to_tensor(factor)
+        forms = [None if f is None else Scaled(f, factor) for f in self.forms]
+        losses = self.losses * tf.cast(factor, self.losses.dtype)
+        return PerExampleResult(self.variables, forms, losses, self.predictions)

@@ -26,7 +26,6 @@ The forms:
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -54,7 +53,7 @@ class Factored:
     natural_shape: tuple[int, ...]
     perm: tuple[int, ...] | None = None
     summed: Callable[[tf.Tensor], tf.Tensor] | None = None
-    _matrices: tf.Tensor | None = field(default=None, init=False, repr=False, compare=False)
+    _matrices: tuple | None = field(default=None, init=False, repr=False, compare=False)
 
     @property
     def var_shape(self) -> tuple[int, ...]:
@@ -91,16 +90,19 @@ class Factored:
         multiplies fastest (``matmul(D, A, transpose_a=True)``: 0.6 ms against 1.8 ms for
         ``A^T D`` with the benchmark CNN's first layer). Built once per form: norms, dots and
         Gram matrices share it; only ``materialize`` transposes it to the variable's layout."""
-        if self._matrices is None:
+        graph = tf.compat.v1.get_default_graph()
+        if self._matrices is None or self._matrices[0] is not graph:
             a, d = self.a, self.d
             if a.shape[1] == 1:  # one position: a plain outer product
-                self._matrices = d[:, 0, :, :, None] * a[:, 0, :, None, :]
+                m = d[:, 0, :, :, None] * a[:, 0, :, None, :]
             elif a.shape[2] == 1:
-                self._matrices = tf.matmul(d[:, :, 0, :], a[:, :, 0, :], transpose_a=True)[:, None]
+                m = tf.matmul(d[:, :, 0, :], a[:, :, 0, :], transpose_a=True)[:, None]
             else:
-                self._matrices = tf.matmul(tf.transpose(d, [0, 2, 1, 3]),
-                                           tf.transpose(a, [0, 2, 1, 3]), transpose_a=True)
-        return self._matrices
+                m = tf.matmul(tf.transpose(d, [0, 2, 1, 3]), tf.transpose(a, [0, 2, 1, 3]),
+                              transpose_a=True)
+            # Remembered per graph: a tensor made inside a tf.cond branch is not usable outside.
+            self._matrices = (graph, m)
+        return self._matrices[1]
 
     def materialize(self) -> tf.Tensor:
         m = tf.transpose(self._per_example_matrices(), [0, 3, 1, 2])  # (B, I, G, O)
@@ -164,6 +166,12 @@ class Factored:
         flat = tf.reshape(self._per_example_matrices(), [tf.shape(self.a)[0], -1])
         return tf.matmul(flat, flat, transpose_b=True)
 
+    def masked(self, keep: tf.Tensor) -> Factored:
+        """The form with the rows of examples where ``keep`` is false set to zero (NaN rows
+        included; the native ``summed`` kernel, which reads the unmasked inputs, is dropped)."""
+        return Factored(self.variable, zero_rows(self.a, keep), zero_rows(self.d, keep),
+                        self.natural_shape, self.perm)
+
     def merged_with(self, other: Factored) -> Factored:
         """Two calls of one layer: the sums over positions concatenate along ``T``."""
         summed = None
@@ -201,6 +209,9 @@ class Materialized:
     def gram(self) -> tf.Tensor:
         flat = tf.reshape(self.value, [tf.shape(self.value)[0], -1])
         return tf.matmul(flat, flat, transpose_b=True)
+
+    def masked(self, keep: tf.Tensor) -> Materialized:
+        return Materialized(self.variable, zero_rows(self.value, keep))
 
     def merged_with(self, other: Materialized) -> Materialized:
         return Materialized(self.variable, self.value + other.value)
@@ -263,12 +274,58 @@ class Rows:
         dd = tf.einsum("bto,cso->bcts", self.d, self.d)
         return tf.reduce_sum(same * dd, axis=[2, 3])
 
+    def masked(self, keep: tf.Tensor) -> Rows:
+        return Rows(self.variable, self.ids, zero_rows(self.d, keep))
+
     def merged_with(self, other: Rows) -> Rows:
         return Rows(self.variable, tf.concat([self.ids, other.ids], 1),
                     tf.concat([self.d, other.d], 1))
 
 
-Form = Factored | Materialized | Rows
+class Scaled:
+    """``factor`` times the gradients of ``inner`` (``factor^2`` for norms and Gram matrices):
+    how ``PerExampleModel`` undoes loss scaling without recomputing anything."""
+
+    def __init__(self, inner, factor: tf.Tensor) -> None:
+        self.inner, self.factor, self.variable = inner, factor, inner.variable
+
+    def _times(self, t: tf.Tensor, power: int = 1) -> tf.Tensor:
+        return t * tf.cast(self.factor, t.dtype) ** power
+
+    def materialize(self) -> tf.Tensor:
+        return self._times(self.inner.materialize())
+
+    def squared_norms(self) -> tf.Tensor:
+        return self._times(self.inner.squared_norms(), 2)
+
+    def dots(self, vector: tf.Tensor) -> tf.Tensor:
+        return self._times(self.inner.dots(vector))
+
+    def weighted_sum(self, coefficients: tf.Tensor) -> tf.Tensor:
+        return self._times(self.inner.weighted_sum(coefficients))
+
+    def gram(self) -> tf.Tensor:
+        return self._times(self.inner.gram(), 2)
+
+    def masked(self, keep: tf.Tensor) -> Scaled:
+        return Scaled(self.inner.masked(keep), self.factor)
+
+    @property
+    def signature(self) -> tuple:
+        return ("scaled",)
+
+    def merged_with(self, other):
+        return Materialized(self.variable, self.materialize() + other.materialize())
+
+
+def zero_rows(t: tf.Tensor, keep: tf.Tensor) -> tf.Tensor:
+    """``t`` with the rows (first axis) where ``keep`` is false replaced by zeros (not multiplied:
+    NaN and inf rows become 0 too)."""
+    mask = tf.reshape(keep, [-1] + [1] * (t.shape.rank - 1))
+    return tf.where(mask, t, tf.zeros_like(t))
+
+
+Form = Factored | Materialized | Rows | Scaled
 
 
 def combine(forms: list[Form]) -> Form:
