@@ -258,3 +258,74 @@ def test_masked_and_scaled_results(name, float64):
         assert_close(half_norms, 0.5 * np.linalg.norm(flat, axis=1))
         for g, e in zip(half_grads, expected, strict=True):
             assert_close(g, 0.5 * e)
+
+
+def test_generic_layer_with_dropout_uses_the_forward_pass_mask():
+    """In training mode a layer that draws random numbers is not replayed: with
+    out = dropout(x * w) and the loss sum(out), l_i = <g_i, w> holds exactly for the mask used."""
+
+    class DropScale(keras.layers.Layer):
+        def build(self, input_shape):
+            self.w = self.add_weight(shape=(input_shape[-1],), initializer="random_normal")
+            self.drop = L.Dropout(0.5)
+
+        def call(self, x, training=None):
+            return self.drop(x * self.w, training=training)
+
+    layer = DropScale()
+    inputs = keras.Input((6,))
+    model = keras.Model(inputs, layer(inputs))
+    pex = pergrad.PerExample(model, None, training=True)
+    assert [name for name, _, how in pex.plan.describe()] == [layer.name]
+    x = np.random.default_rng(0).normal(size=(8, 6)).astype("float32")
+    result = tf.function(lambda x: (lambda r: (r.losses, r.gradients()))(pex.compute(x)))(x)
+    losses, (grads,) = result
+    assert np.any(grads.numpy() == 0.0)  # dropout did drop something
+    assert_close(losses, np.sum(grads.numpy() * layer.w.numpy(), axis=1), rtol=1e-5)
+
+
+def test_batchnorm_without_weights_is_still_refused_in_training_mode():
+    inputs = keras.Input((4,))
+    outputs = L.Dense(2)(L.BatchNormalization(center=False, scale=False, name="bare_bn")(
+        L.Dense(3)(inputs)))
+    pex = pergrad.PerExample(keras.Model(inputs, outputs), "mse", training=True)
+    with pytest.raises(pergrad.MixesExamplesError, match="bare_bn"):
+        pex.norms(np.ones((3, 4)), np.ones((3, 2)))
+
+
+def test_per_timestep_sample_weights_are_refused():
+    model = keras.Sequential([keras.Input((4, 3)), L.Dense(2)])
+    pex = pergrad.PerExample(model, "mse")
+    with pytest.raises(ValueError, match="one weight per example"):
+        pex.norms(np.ones((5, 4, 3)), np.ones((5, 4, 2)), sample_weight=np.ones((5, 4)))
+
+
+def test_einsum_equation_without_a_factored_form_takes_the_generic_rule(float64):
+    inputs = keras.Input((4, 6))
+    h = L.EinsumDense("abc,cd->ad", output_shape=(5,))(inputs)  # b is summed over, x only
+    model = keras.Model(inputs, L.Dense(2)(h))
+    pex = pergrad.PerExample(model, "mse")
+    assert [how for _, cls, how in pex.plan.describe() if cls == "EinsumDense"] == ["generic"]
+    rng = np.random.default_rng(4)
+    x, y = rng.normal(size=(3, 4, 6)), rng.normal(size=(3, 2))
+    expected, _ = loop_gradients(model, per_example_loss("mse"), x, y)
+    for g, e in zip(pex.gradients(x, y), expected, strict=True):
+        assert_close(g, e)
+
+
+def test_convolutions_with_dynamic_image_sizes(float64):
+    """After reduce_retracing relaxes the spatial dimensions, the convolution rule still works."""
+    inputs = keras.Input((None, None, 2))
+    h = L.Conv2D(3, 3, strides=2, padding="same", activation="tanh")(inputs)
+    outputs = L.Dense(2)(L.GlobalAveragePooling2D()(h))
+    model = keras.Model(inputs, outputs)
+    pex = pergrad.PerExample(model, "mse")
+    rng = np.random.default_rng(5)
+    for size in (7, 9, 12):
+        x, y = rng.normal(size=(3, size, size + 1, 2)), rng.normal(size=(3, 2))
+        expected, _ = loop_gradients(model, per_example_loss("mse"), x, y)
+        for g, e in zip(pex.gradients(x, y), expected, strict=True):
+            assert_close(g, e)
+        flat = np.concatenate([e.reshape(3, -1) for e in expected], axis=1)
+        assert_close(pex.norms(x, y), np.linalg.norm(flat, axis=1))
+    assert pex.trace_counts["gradients"] <= 2

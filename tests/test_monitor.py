@@ -238,3 +238,23 @@ def test_with_per_example_model(tmp_path, float64):
     assert table["opposed"][ODD] == EPOCHS and table["opposed"].sum() == EPOCHS
     with open(tmp_path / "m.csv") as f:
         assert len(list(csv.DictReader(f))) == EPOCHS * N // BATCH
+
+
+def test_a_nan_example_does_not_poison_the_monitor():
+    """PerExampleModel drops a non-finite example; the monitor sees it as inactive."""
+    from pergrad.keras import PerExampleModel
+
+    x, y = _data()
+    x = x.astype("float32")
+    x[5, 1] = np.nan
+    monitor = GradientMonitor(num_examples=N)
+    model = PerExampleModel(_inner(), monitor=monitor)
+    model.compile(optimizer=keras.optimizers.SGD(1e-3), loss=SCCE)
+    history = model.fit(x, y, batch_size=BATCH, epochs=2, shuffle=False, verbose=0)
+    table = monitor.example_table()
+    assert table["seen"][5] == 0 and np.all(table["seen"][np.arange(N) != 5] == 2)
+    finite = np.arange(N) != 5
+    assert np.all(np.isfinite(table["mean_cosine"][finite]))
+    assert np.all(np.isfinite(table["mean_cosine_to_rest"][finite]))
+    assert np.isfinite(history.history["noise_scale"]).all()
+    assert history.history["dropped_examples"] == [1.0, 1.0]

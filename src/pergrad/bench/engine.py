@@ -2,8 +2,10 @@
 
 For each model and batch size this prints the median time of one ordinary batch gradient and, as a
 ratio to it (measured in the same run), pergrad's ``gradients``, ``norms`` and ``clipped_sum``
-under each strategy: ``auto`` (layer rules), ``vmap`` (tf.vectorized_map of the whole model, XLA),
-``jacobian`` (tape.jacobian) and ``loop`` (one tape per example in a tf.while_loop).
+under each strategy: ``auto`` (layer rules), ``auto+xla`` (the same with ``jit_compile=True``),
+``vmap`` (tf.vectorized_map of the whole model, XLA), ``jacobian`` (tape.jacobian) and ``loop``
+(one tape per example in a tf.while_loop). A measurement that fails (out of memory) is reported
+as such, not skipped silently.
 
     python benchmarks/bench_engine.py                 # the table in docs/benchmarks.md
     python benchmarks/bench_engine.py --quick         # under a minute
@@ -26,8 +28,9 @@ LOSS = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
 METHODS = ("gradients", "norms", "clipped_sum")
 # Whole-model baselines materialize everything: norms and clipped sums cost what gradients cost,
 # so only `gradients` is timed for them.
-BASELINE_METHODS = {"auto": METHODS, "vmap": METHODS, "jacobian": ("gradients",),
-                    "loop": ("gradients",)}
+BASELINE_METHODS = {"auto": METHODS, "auto+xla": METHODS, "vmap": METHODS,
+                    "jacobian": ("gradients",), "loop": ("gradients",)}
+ALL_STRATEGIES = tuple(BASELINE_METHODS)
 
 
 def batch_gradient_fn(model):
@@ -44,7 +47,7 @@ def run(quick: bool = False, models: tuple[str, ...] = ("mlp", "cnn", "transform
         budget_s: float | None = None) -> list[dict]:
     """Time everything; one dict per (model, batch, strategy, method) with seconds and ratio."""
     if strategies is None:
-        strategies = ("auto", "vmap") if quick else ("auto", "vmap", "jacobian", "loop")
+        strategies = ("auto", "vmap") if quick else ALL_STRATEGIES
     budget = budget_s if budget_s is not None else (1.0 if quick else 8.0)
     repeats = 3 if quick else 7
     rows = []
@@ -60,22 +63,31 @@ def run(quick: bool = False, models: tuple[str, ...] = ("mlp", "cnn", "transform
             rows.append(dict(model=name, batch=size, strategy="batch gradient",
                              method="-", seconds=base, ratio=1.0, calls=n))
             for strategy in strategies:
-                pex = pergrad.PerExample(model, LOSS, strategy=strategy)
+                pex = pergrad.PerExample(model, LOSS, strategy=strategy.split("+")[0],
+                                         jit_compile=strategy.endswith("+xla"))
                 calls = {"gradients": lambda p=pex, x=x, y=y: p.gradients(x, y),
                          "norms": lambda p=pex, x=x, y=y: p.norms(x, y),
                          "clipped_sum": lambda p=pex, x=x, y=y: p.clipped_sum(x, y, 1.0)}
                 for method in BASELINE_METHODS[strategy]:
-                    seconds, n = median_seconds(calls[method], repeats=repeats, budget_s=budget)
-                    rows.append(dict(model=name, batch=size, strategy=strategy, method=method,
-                                     seconds=seconds, ratio=seconds / base, calls=n))
-                    print(f"  {name:11s} B={size:<4d} {strategy:8s} {method:12s} "
-                          f"{seconds * 1e3:9.2f} ms  {seconds / base:7.2f}x", flush=True)
+                    row = dict(model=name, batch=size, strategy=strategy, method=method)
+                    try:
+                        seconds, n = median_seconds(calls[method], repeats=repeats,
+                                                    budget_s=budget)
+                    except (tf.errors.ResourceExhaustedError, MemoryError) as error:
+                        row.update(seconds=None, ratio=None, calls=0, error="out of memory")
+                        print(f"  {name:11s} B={size:<4d} {strategy:8s} {method:12s} "
+                              f"failed: {type(error).__name__}", flush=True)
+                    else:
+                        row.update(seconds=seconds, ratio=seconds / base, calls=n)
+                        print(f"  {name:11s} B={size:<4d} {strategy:8s} {method:12s} "
+                              f"{seconds * 1e3:9.2f} ms  {seconds / base:7.2f}x", flush=True)
+                    rows.append(row)
     return rows
 
 
 def markdown(rows: list[dict]) -> str:
     """One line per (model, batch): batch gradient in ms, then ratios to it."""
-    columns = [(s, m) for s in ("auto", "vmap", "jacobian", "loop") for m in BASELINE_METHODS[s]]
+    columns = [(s, m) for s in ALL_STRATEGIES for m in BASELINE_METHODS[s]]
     present = [c for c in columns if any((r["strategy"], r["method"]) == c for r in rows)]
     head = ["model", "batch", "batch gradient"] + [f"{s} {m}" for s, m in present]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
@@ -84,7 +96,8 @@ def markdown(rows: list[dict]) -> str:
                 if r["model"] == name and r["batch"] == size}
         base = cell[("batch gradient", "-")]["seconds"]
         values = [name, str(size), f"{base * 1e3:.1f} ms"]
-        values += [f"{cell[c]['ratio']:.2f}x" if c in cell else "-" for c in present]
+        values += [("OOM" if cell[c]["ratio"] is None else f"{cell[c]['ratio']:.2f}x")
+                   if c in cell else "-" for c in present]
         lines.append("| " + " | ".join(values) + " |")
     return "\n".join(lines)
 

@@ -92,7 +92,7 @@ def run(quick: bool = False, models: tuple[str, ...] = ("cnn", "transformer")) -
     return rows
 
 
-def table(rows: list[dict]) -> str:
+def markdown(rows: list[dict]) -> str:
     lines = ["| model | batch | step, no monitor (s) | monitor every step (s) | ratio "
              "| monitor every 10 steps (s) | ratio |",
              "|---|---:|---:|---:|---:|---:|---:|"]
@@ -108,7 +108,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", metavar="PATH", help="also write the rows as JSON")
     args = parser.parse_args(argv)
     rows = run(quick=args.quick)
-    print(table(rows))
+    print(markdown(rows))
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=2)

@@ -74,7 +74,7 @@ def run(quick: bool = False) -> list[dict]:
     return rows
 
 
-def table(rows: list[dict]) -> str:
+def markdown(rows: list[dict]) -> str:
     lines = ["| model | batch | train step | median (ms) | x plain Keras |",
              "|---|---:|---|---:|---:|"]
     for r in rows:
@@ -89,7 +89,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", metavar="PATH", help="also write the rows as JSON")
     args = parser.parse_args(argv)
     rows = run(quick=args.quick)
-    print(table(rows))
+    print(markdown(rows))
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=2)

@@ -58,8 +58,7 @@ def run(args: argparse.Namespace) -> int:
         else:
             module = {"training": training, "monitor": monitor, "jacobian": jacobian}[suite]
             rows = module.run(quick=args.quick)
-            if hasattr(module, "markdown"):
-                print(module.markdown(rows))
+            print(module.markdown(rows))
         results[suite] = rows
     if args.json:
         with open(args.json, "w") as handle:

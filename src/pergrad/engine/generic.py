@@ -7,6 +7,10 @@ For a layer ``f(x; W)`` with recorded inputs ``x_i`` and output gradients ``D_i`
 one VJP per example, vectorized with ``tf.vectorized_map`` over ``layer.stateless_call``. This is
 exact for any layer that treats examples independently. A layer with an op that has no vectorized
 form gets a per-example loop instead, with a warning naming the layer.
+
+Replaying the layer would draw new random numbers, so a layer that draws them (dropout inside an
+LSTM, say) in training mode instead gets its VJPs from the recorded forward pass itself:
+``tape.jacobian`` of ``s_i = <f(x_i; W), stop_gradient(D_i)>`` (:func:`recorded_vjps`).
 """
 
 from __future__ import annotations
@@ -24,6 +28,28 @@ def _is_batched(leaf, batch_size: int | None) -> bool:
         return False
     dim = leaf.shape[0]
     return dim is None or batch_size is None or dim == batch_size
+
+
+def draws_random(layer) -> bool:
+    """Whether ``layer`` or one of its sublayers owns a Keras ``SeedGenerator`` (dropout)."""
+    return any(getattr(sub, "_seed_generators", None)
+               for sub in layer._flatten_layers(include_self=True))
+
+
+def recorded_vjps(tape: tf.GradientTape, layer, outputs: list, grads: list) -> list[Materialized]:
+    """Per-example VJPs of ``layer`` through the forward pass the (persistent) ``tape`` recorded:
+    ``d/dW s_i`` with ``s_i = sum_k out_i[k] D_i[k]``, vectorized by ``tape.jacobian``. Exact
+    for whatever dropout mask that pass drew."""
+    variables = layer.trainable_variables
+    with tape:  # resume recording: s must be on the tape that saw the forward pass
+        terms = []
+        for out, grad in zip(outputs, grads, strict=True):
+            product = out * tf.stop_gradient(tf.cast(grad, out.dtype))
+            terms.append(tf.reduce_sum(tf.reshape(product, [tf.shape(out)[0], -1]), axis=1))
+        per_example = tf.add_n(terms)
+    jacobians = tape.jacobian(per_example, variables,
+                              unconnected_gradients=tf.UnconnectedGradients.ZERO)
+    return [Materialized(v, tf.cast(j, v.dtype)) for v, j in zip(variables, jacobians, strict=True)]
 
 
 def generic_forms(layer, call: LayerCall, grads: list, batch_size: int | None,

@@ -62,11 +62,24 @@ def record_calls(plan: Plan):
         object.__setattr__(layer, "call", wrapper)
         patched.append((layer, had_own, original))
 
+    def install_check(layer, rule):
+        original = layer.call
+
+        def wrapper(*args, **kwargs):
+            rule.check_call(layer, LayerCall(layer, args, kwargs, None))
+            return original(*args, **kwargs)
+
+        had_own = "call" in layer.__dict__
+        object.__setattr__(layer, "call", wrapper)
+        patched.append((layer, had_own, original))
+
     try:
         for layer, rule in plan.ruled:
             install(layer, rule)
         for layer in plan.generic:
             install(layer, None)
+        for layer, rule in plan.checked:
+            install_check(layer, rule)
         yield calls
     finally:
         for layer, had_own, original in reversed(patched):

@@ -20,13 +20,29 @@ _SCALAR_LOSS_HELP = (
 
 def _unreduced(loss: Any) -> Callable:
     if isinstance(loss, str):
-        return keras.losses.get(loss)
-    if isinstance(loss, keras.losses.Loss):
+        fn = keras.losses.get(loss)
+    elif isinstance(loss, keras.losses.Loss):
         # Loss.__call__ = call (elementwise) + reduction; call alone is per example.
-        return loss.call
-    if callable(loss):
-        return loss
-    raise TypeError(f"loss must be a Keras loss, a loss name, or a callable; got {loss!r}")
+        fn = loss.call
+    elif callable(loss):
+        fn = loss
+    else:
+        raise TypeError(f"loss must be a Keras loss, a loss name, or a callable; got {loss!r}")
+
+    def in_float32(*args):
+        # As Keras's Loss.__call__ does: half-precision predictions (mixed precision) are
+        # compared in float32.
+        return fn(*[_at_least_float32(a) for a in args])
+
+    return in_float32
+
+
+def _at_least_float32(values):
+    def cast(t):
+        if isinstance(t, (tf.Tensor, tf.Variable)) and t.dtype in (tf.float16, tf.bfloat16):
+            return tf.cast(t, tf.float32)
+        return t
+    return tf.nest.map_structure(cast, values) if values is not None else None
 
 
 def _per_example(values: tf.Tensor) -> tf.Tensor:

@@ -7,6 +7,8 @@ Walking the model from the top, each layer with trainable weights is either
 * **generic**: it owns weights directly, has no rule, or is a wrapper that runs its sublayers in a
   loop or on reshaped batches (RNN, Bidirectional, TimeDistributed); its per-example gradients are
   per-example VJPs of that layer alone;
+* **checked**: a layer without trainable weights whose rule refuses some calls (a
+  BatchNormalization without scale and offset still mixes examples in training mode);
 * **descended**: a container (a model, MultiHeadAttention, a user's block of layers) that owns no
   weights itself; its sublayers are planned in turn.
 
@@ -32,6 +34,7 @@ class Plan:
     ruled: list[tuple[Any, Rule]] = field(default_factory=list)
     generic: list[Any] = field(default_factory=list)
     residual: list[Any] = field(default_factory=list)
+    checked: list[tuple[Any, Rule]] = field(default_factory=list)
 
     @property
     def tapped_layers(self) -> list[Any]:
@@ -76,6 +79,14 @@ def make_plan(model) -> Plan:
                 visit(sub, top=False)
 
     visit(model, top=True)
+    # Layers without trainable weights are not tapped, but one that mixes examples (a
+    # BatchNormalization without scale and offset) must still be refused in training mode.
+    ruled = {id(layer) for layer, _ in plan.ruled}
+    for layer in model._flatten_layers(include_self=False, recursive=True):
+        rule = find_rule(layer)
+        if (id(layer) not in ruled and rule is not None and rule.check_call is not None
+                and layer.trainable):
+            plan.checked.append((layer, rule))
     covered = {id(v) for layer in plan.tapped_layers for v in layer.trainable_variables}
     covered |= {id(v) for v in plan.residual}
     # A variable reached only through a non-layer attribute of the model is residual too.

@@ -7,7 +7,7 @@ from typing import Any
 
 import tensorflow as tf
 
-from pergrad.engine.generic import generic_forms
+from pergrad.engine.generic import draws_random, generic_forms, recorded_vjps
 from pergrad.engine.intercept import record_calls
 from pergrad.engine.plan import Plan
 from pergrad.engine.result import PerExampleResult
@@ -21,8 +21,12 @@ def _weighted(losses: tf.Tensor, sample_weight) -> tf.Tensor:
     if sample_weight is None:
         return losses
     w = tf.cast(sample_weight, losses.dtype)
-    if w.shape.rank and w.shape.rank > 1:
-        w = tf.reshape(w, [tf.shape(w)[0], -1])[:, 0] if w.shape[-1] == 1 else w
+    if w.shape.rank is not None and w.shape.rank > 1:
+        if any(n != 1 for n in w.shape[1:]):
+            raise ValueError(f"sample_weight must have one weight per example, shape (batch,) "
+                             f"or (batch, 1); got shape {tuple(w.shape)}. Per-timestep weights "
+                             "are not supported: fold them into the loss function instead.")
+        w = tf.reshape(w, [-1])
     return losses * w
 
 
@@ -33,7 +37,8 @@ def _static_batch(x) -> int | None:
 def run_auto(model, plan: Plan, loss_fn, x, y, sample_weight, training: bool,
              warned: set) -> PerExampleResult:
     """Record, one backward pass of the summed loss to every tap, then rules."""
-    with tf.GradientTape(persistent=bool(plan.residual)) as tape:
+    replayed = {id(layer) for layer in plan.generic if training and draws_random(layer)}
+    with tf.GradientTape(persistent=bool(plan.residual or replayed)) as tape:
         with record_calls(plan) as calls:
             predictions = model(x, training=training)
         losses = _weighted(loss_fn(y, predictions), sample_weight)
@@ -53,6 +58,8 @@ def run_auto(model, plan: Plan, loss_fn, x, y, sample_weight, training: bool,
         rule = rules.get(id(record.layer))
         if rule is not None:
             forms = rule.fn(record.layer, record, record_grads[0])
+        elif id(record.layer) in replayed:
+            forms = recorded_vjps(tape, record.layer, group, record_grads)
         else:
             forms = generic_forms(record.layer, record, record_grads, batch, warned)
         for form in forms:

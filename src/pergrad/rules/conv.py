@@ -22,24 +22,31 @@ from pergrad.rules import LayerCall, register
 from pergrad.rules.forms import Factored, Materialized
 
 
-def _padding_and_size(n: int, k: int, s: int, d: int, padding: str) -> tuple[int, int, int]:
-    """(pad_before, pad_after, output size) of one spatial axis, as TensorFlow computes them."""
+def _padding_and_size(n, k: int, s: int, d: int, padding: str) -> tuple:
+    """(pad_before, pad_after, output size) of one spatial axis, as TensorFlow computes them.
+
+    ``n`` is an int, or a scalar tensor when the axis is dynamic (traced with
+    ``reduce_retracing``); the results are then tensors too.
+    """
     span = (k - 1) * d + 1
     if padding == "same":
-        out = -(-n // s)
-        total = max((out - 1) * s + span - n, 0)
+        out = (n + s - 1) // s
+        total = (out - 1) * s + span - n
+        total = max(total, 0) if isinstance(total, int) else tf.maximum(total, 0)
         return total // 2, total - total // 2, out
     if padding == "causal":
-        return span - 1, 0, (n + span - 1 - span) // s + 1
+        return span - 1, 0, (n - 1) // s + 1
     return 0, 0, (n - span) // s + 1
 
 
 def pad_input(x: tf.Tensor, kernel_size, strides, dilation, padding: str) -> tuple:
     """``x`` (channels last) padded as the layer pads it, and the output size per axis; after
     this every padding mode is ``VALID``."""
-    geometry = [_padding_and_size(int(n), k, s, d, padding)
-                for n, k, s, d in zip(x.shape[1:-1], kernel_size, strides, dilation, strict=True)]
-    if any(before or after for before, after, _ in geometry):
+    dynamic = tf.shape(x)
+    spatial = [int(n) if n is not None else dynamic[1 + i] for i, n in enumerate(x.shape[1:-1])]
+    geometry = [_padding_and_size(n, k, s, d, padding)
+                for n, k, s, d in zip(spatial, kernel_size, strides, dilation, strict=True)]
+    if any(not isinstance(v, int) or v for before, after, _ in geometry for v in (before, after)):
         x = tf.pad(x, [[0, 0], *[[b, a] for b, a, _ in geometry], [0, 0]])
     return x, [out for _, _, out in geometry]
 
@@ -85,7 +92,7 @@ def _image_patches(x: tf.Tensor, kernel_size, strides, dilation) -> tf.Tensor:
     else:
         patches = tf.image.extract_patches(x, [1, *kernel_size, 1], [1, *strides, 1],
                                            [1, *dilation, 1], "VALID")
-    patches = tf.reshape(patches, [tf.shape(x)[0], *patches.shape[1:3],
+    patches = tf.reshape(patches, [tf.shape(x)[0], tf.shape(patches)[1], tf.shape(patches)[2],
                                    kernel_size[0] * kernel_size[1], channels])
     return patches[:, 0] if one_d else patches
 

@@ -48,9 +48,15 @@ def _classify(x_spec: str, w_spec: str, z_spec: str):
 
 
 def _applies(layer) -> bool:
+    """A factored rule exists for the equation (else the layer takes the generic rule)."""
     if getattr(layer, "lora_enabled", False) or getattr(layer, "quantization_mode", None):
         return False
-    return "..." not in layer.equation.split("->")[0].split(",")[1]
+    if "..." in layer.equation.split("->")[0].split(",")[1]:
+        return False
+    rank = getattr(layer.input_spec, "ndim", None)
+    if rank is None:
+        return False
+    return _classify(*_expand_ellipsis(layer.equation, rank)) is not None
 
 
 @register(keras.layers.EinsumDense, splits_activation=True, applies=_applies)

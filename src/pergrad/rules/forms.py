@@ -105,7 +105,13 @@ class Factored:
         return self._matrices[1]
 
     def materialize(self) -> tf.Tensor:
-        m = tf.transpose(self._per_example_matrices(), [0, 3, 1, 2])  # (B, I, G, O)
+        if self.a.shape[1] == 1:
+            # One position: write the outer products once, straight into the (B, I, G, O)
+            # layout (they are memory-bound: B I O floats for a Dense kernel).
+            a = tf.transpose(self.a[:, 0], [0, 2, 1])  # (B, I, G); G is 1 for Dense
+            m = a[:, :, :, None] * self.d[:, 0][:, None, :, :]
+        else:
+            m = tf.transpose(self._per_example_matrices(), [0, 3, 1, 2])  # (B, I, G, O)
         return self._to_variable_layout(m, batched=True)
 
     def _materializing(self) -> bool:
@@ -168,9 +174,20 @@ class Factored:
 
     def masked(self, keep: tf.Tensor) -> Factored:
         """The form with the rows of examples where ``keep`` is false set to zero (NaN rows
-        included; the native ``summed`` kernel, which reads the unmasked inputs, is dropped)."""
-        return Factored(self.variable, zero_rows(self.a, keep), zero_rows(self.d, keep),
-                        self.natural_shape, self.perm)
+        included). The native ``summed`` kernel reads the unmasked inputs, so it is used only
+        while every row is kept."""
+        plain = Factored(self.variable, zero_rows(self.a, keep), zero_rows(self.d, keep),
+                         self.natural_shape, self.perm)
+        if self.summed is None:
+            return plain
+        native = self.summed
+
+        def summed(coefficients):  # the native kernel while no row is dropped
+            return tf.cond(tf.reduce_all(keep), lambda: tf.reshape(native(coefficients),
+                                                                    self.var_shape),
+                           lambda: plain.weighted_sum(coefficients))
+
+        return Factored(self.variable, plain.a, plain.d, self.natural_shape, self.perm, summed)
 
     def merged_with(self, other: Factored) -> Factored:
         """Two calls of one layer: the sums over positions concatenate along ``T``."""
