@@ -19,7 +19,7 @@ import keras
 import tensorflow as tf
 
 from pergrad.rules import LayerCall, register
-from pergrad.rules.forms import Factored, Materialized
+from pergrad.rules.forms import Factored, Materialized, positions
 
 
 def _padding_and_size(n, k: int, s: int, d: int, padding: str) -> tuple:
@@ -114,12 +114,13 @@ def conv_rule(layer, call: LayerCall, grad: tf.Tensor) -> list:
                               layer.padding)
     batch = tf.shape(x)[0]
     k = patches.shape[-2]
+    t = positions(d.shape[1:-1])
     if groups == 1:
-        a = tf.reshape(patches, [batch, -1, 1, k * c_in])
+        a = tf.reshape(patches, [batch, t, 1, k * c_in])
     else:  # (B, T, K, G, C/G) -> (B, T, G, K * C/G)
-        a = tf.reshape(patches, [batch, -1, k, groups, c_in // groups])
-        a = tf.reshape(tf.transpose(a, [0, 1, 3, 2, 4]), [batch, -1, groups, k * (c_in // groups)])
-    dd = tf.reshape(d, [batch, -1, groups, c_out // groups])
+        a = tf.reshape(patches, [batch, t, k, groups, c_in // groups])
+        a = tf.reshape(tf.transpose(a, [0, 1, 3, 2, 4]), [batch, t, groups, k * (c_in // groups)])
+    dd = tf.reshape(d, [batch, t, groups, c_out // groups])
     natural = (*layer.kernel_size, c_in // groups, groups, c_out // groups)
     summed = None
     if groups == 1:

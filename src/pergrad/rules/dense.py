@@ -13,7 +13,7 @@ import keras
 import tensorflow as tf
 
 from pergrad.rules import LayerCall, register
-from pergrad.rules.forms import Factored, Materialized, unbroadcast
+from pergrad.rules.forms import Factored, Materialized, positions, unbroadcast
 
 
 def _plain(layer) -> bool:
@@ -26,8 +26,9 @@ def dense_rule(layer, call: LayerCall, grad: tf.Tensor) -> list:
     d = tf.cast(grad, layer.kernel.dtype)
     d_in, d_out = layer.kernel.shape
     batch = tf.shape(x)[0]
-    a = tf.reshape(x, [batch, -1, 1, d_in])
-    forms = [Factored(layer.kernel, a, tf.reshape(d, [batch, -1, 1, d_out]), (d_in, d_out))]
+    t = positions(x.shape[1:-1])
+    a = tf.reshape(x, [batch, t, 1, d_in])
+    forms = [Factored(layer.kernel, a, tf.reshape(d, [batch, t, 1, d_out]), (d_in, d_out))]
     if layer.bias is not None:
         forms.append(Materialized(layer.bias, unbroadcast(d, tuple(layer.bias.shape))))
     return forms

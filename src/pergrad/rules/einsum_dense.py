@@ -20,7 +20,7 @@ import keras
 import tensorflow as tf
 
 from pergrad.rules import LayerCall, register
-from pergrad.rules.forms import Factored, Materialized, unbroadcast
+from pergrad.rules.forms import Factored, Materialized, positions, unbroadcast
 
 
 def _expand_ellipsis(equation: str, x_rank: int) -> tuple[str, str, str]:
@@ -74,7 +74,7 @@ def einsum_dense_rule(layer, call: LayerCall, grad: tf.Tensor) -> list:
     def arrange(t, spec, order, last):
         t = tf.transpose(t, [spec.index(ch) for ch in order])
         width = [math.prod(size[ch] for ch in g) or 1, math.prod(size[ch] for ch in last) or 1]
-        return tf.reshape(t, [n_batch, -1, *width])
+        return tf.reshape(t, [n_batch, positions(size[ch] for ch in s), *width])
 
     a = arrange(x, x_spec, [batch_letter, *s, *g, *c], c)
     dd = arrange(d, z_spec, [batch_letter, *s, *g, *o], o)

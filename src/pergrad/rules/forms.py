@@ -26,6 +26,7 @@ The forms:
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -354,6 +355,16 @@ def combine(forms: list[Form]) -> Form:
         else:
             result = Materialized(result.variable, result.materialize() + form.materialize())
     return result
+
+
+def positions(dims) -> int:
+    """The number of positions ``T`` spanned by ``dims`` (static sizes), or -1 when one is
+    unknown. Reshapes use it instead of -1 so that ``T`` stays static after the batch dimension
+    becomes dynamic (a retrace with ``reduce_retracing``): the cost model needs it."""
+    dims = list(dims)
+    if any(d is None for d in dims):
+        return -1
+    return int(math.prod(int(d) for d in dims))
 
 
 def unbroadcast(grad: tf.Tensor, shape: tuple[int, ...]) -> tf.Tensor:
