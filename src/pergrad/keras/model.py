@@ -326,15 +326,7 @@ class PerExampleModel(keras.Model):
         logs = self._report(x, y, result, sample_weight, local.dropped, replicas)
         self.optimizer.apply(grads, variables)
         if self.monitor is not None:
-            # The monitor sees what the aggregator kept: dropped (non-finite) examples are
-            # zeroed and weighted 0, so they are inactive and cannot poison its running tables.
-            keep = tf.logical_and(tf.math.is_finite(result.losses),
-                                  tf.math.is_finite(tf.add_n(result.squared_norms())))
-            weights = (tf.ones_like(result.losses) if sample_weight is None
-                       else tf.cast(tf.reshape(sample_weight, [-1]), result.losses.dtype))
-            weights = tf.where(keep, weights, tf.zeros_like(weights))
-            stats = self.monitor.compute(result.masked(keep), indices=indices,
-                                         sample_weight=weights)
+            stats = self.monitor.compute(result, indices=indices, sample_weight=sample_weight)
             logs = {**logs, **dict(stats)}
         return logs
 

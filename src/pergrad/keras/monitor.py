@@ -140,10 +140,22 @@ class GradientMonitor(keras.callbacks.Callback):
         self._position.assign_add(batch)
 
         def monitored():
-            stats = statistics_from_result(result, sample_weight)
-            active = active_examples(sample_weight, result.batch_size)
+            # Non-finite examples (which PerExampleModel's aggregators drop) are inactive here
+            # too: zeroed and weighted 0, so they cannot poison the running tables.
+            # The masked recomputation runs only on steps that have such an example.
+            given = tf.cast(active_examples(sample_weight, result.batch_size), result.norm_dtype)
+            stats = statistics_from_result(result, given)
+            keep = tf.logical_and(tf.math.is_finite(result.losses),
+                                  tf.math.is_finite(stats["norms"]))
+            weights = tf.where(keep, given, tf.zeros_like(given))
+
+            def without_dropped():
+                return statistics_from_result(result.masked(keep), weights)
+
+            stats = tf.cond(tf.reduce_all(keep), lambda: stats, without_dropped)
+            active = active_examples(weights, result.batch_size)
             mask = tf.cast(active, result.losses.dtype)
-            loss = tf.reduce_sum(result.losses * mask) / tf.maximum(tf.reduce_sum(mask), 1)
+            loss = tf.reduce_sum(stats["losses"] * mask) / tf.maximum(tf.reduce_sum(mask), 1)
             values = tf.cast(tf.stack([stats[k] for k in LOGGED_STATISTICS]
                                       + [tf.cast(loss, stats["norms"].dtype)]), tf.float64)
             cosines = tf.cast(stats["cosine_to_batch"], tf.float64)
