@@ -347,3 +347,29 @@ def test_positions_stay_static_when_the_batch_dimension_is_dynamic():
 
     norms(np.asarray(case.x, "float32"), np.asarray(case.y))
     assert seen and all(t is not None for t in seen), seen
+
+
+class TiedEmbeddings(keras.Model):
+    """Input and output embeddings tied by using the table outside the Embedding layer."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed = L.Embedding(7, 4)
+        self.hidden = L.Dense(4, activation="tanh")
+
+    def call(self, ids):
+        h = self.hidden(tf.reduce_mean(self.embed(ids), axis=1))
+        return tf.matmul(h, self.embed.embeddings, transpose_b=True)
+
+
+def test_check_finds_a_weight_used_outside_its_layer(float64):
+    rng = np.random.default_rng(6)
+    ids, y = rng.integers(0, 7, size=(5, 3)), rng.integers(0, 7, size=5)
+    tied = TiedEmbeddings()
+    tied(ids)
+    with pytest.raises(ValueError, match="embeddings"):
+        pergrad.PerExample(tied, zoo.SCCE).check(ids, y)
+    # The whole-model strategy sees the second use, and the check passes.
+    pergrad.PerExample(tied, zoo.SCCE, strategy="vmap").check(ids, y)
+    case = zoo.transformer()
+    pergrad.PerExample(case.model, case.loss).check(case.x, case.y)

@@ -19,8 +19,6 @@ Nothing here asserts on timings.
 
 from __future__ import annotations
 
-import argparse
-import json
 import os
 import statistics
 import time
@@ -32,6 +30,7 @@ import keras  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
 from pergrad.bench.models import MODELS, batch  # noqa: E402
+from pergrad.bench.timing import script_main  # noqa: E402
 from pergrad.keras import PerExampleModel  # noqa: E402
 from pergrad.keras.monitor import GradientMonitor  # noqa: E402
 
@@ -103,16 +102,7 @@ def markdown(rows: list[dict]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="fewer repeats")
-    parser.add_argument("--json", metavar="PATH", help="also write the rows as JSON")
-    args = parser.parse_args(argv)
-    rows = run(quick=args.quick)
-    print(markdown(rows))
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(rows, f, indent=2)
-    return 0
+    return script_main(__doc__.splitlines()[0], run, markdown, argv, quick_help="fewer repeats")
 
 
 if __name__ == "__main__":

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import argparse
+import json
 import statistics
 import time
 from collections.abc import Callable
@@ -30,3 +32,19 @@ def median_seconds(fn: Callable[[], object], *, repeats: int = 7, budget_s: floa
         times.append(time.perf_counter() - start)
         spent += times[-1]
     return statistics.median(times), len(times)
+
+
+def script_main(description: str, run: Callable[..., list[dict]],
+                markdown: Callable[[list[dict]], str], argv: list[str] | None = None,
+                quick_help: str = "fewer repeats") -> int:
+    """The command line of a benchmark module: ``[--quick] [--json PATH]``, prints the table."""
+    parser = argparse.ArgumentParser(description=description)
+    parser.add_argument("--quick", action="store_true", help=quick_help)
+    parser.add_argument("--json", metavar="PATH", help="also write the rows as JSON")
+    args = parser.parse_args(argv)
+    rows = run(quick=args.quick)
+    print(markdown(rows))
+    if args.json:
+        with open(args.json, "w") as handle:
+            json.dump(rows, handle, indent=2)
+    return 0

@@ -13,8 +13,6 @@ Usage:
 
 from __future__ import annotations
 
-import argparse
-import json
 import os
 import random
 import statistics
@@ -27,6 +25,7 @@ import tensorflow as tf  # noqa: E402
 
 from pergrad import aggregate  # noqa: E402
 from pergrad.bench.models import batch, cnn, transformer  # noqa: E402
+from pergrad.bench.timing import script_main  # noqa: E402
 from pergrad.keras import PerExampleModel  # noqa: E402
 
 MODELS = {"cnn": cnn, "transformer": transformer}
@@ -84,16 +83,7 @@ def markdown(rows: list[dict]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="batch 32, 3 rounds")
-    parser.add_argument("--json", metavar="PATH", help="also write the rows as JSON")
-    args = parser.parse_args(argv)
-    rows = run(quick=args.quick)
-    print(markdown(rows))
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(rows, f, indent=2)
-    return 0
+    return script_main(__doc__.splitlines()[0], run, markdown, argv, quick_help="batch 32, 3 rounds")
 
 
 if __name__ == "__main__":

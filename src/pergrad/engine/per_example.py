@@ -183,6 +183,47 @@ class PerExample:
             x, y, sample_weight, tf.constant(l2_norm_clip, tf.float64))
 
 
+    def check(self, x, y=None, sample_weight=None, rtol: float = 1e-4) -> None:
+        """Verify on one batch that the per-example gradients add up to the batch gradient.
+
+        ``sum_i g_i`` must equal ``d/dtheta sum_i l_i`` computed by an ordinary tape. A mismatch
+        means the model does something the engine cannot see: a layer's weight used outside
+        that layer's call (tied input and output embeddings written as
+        ``h @ embedding.embeddings.T``), or randomness that differs between two passes (call
+        with ``training=False`` to check a model with dropout). Raises ``ValueError`` naming the
+        variables whose relative error exceeds ``rtol``.
+        """
+        x, y, sample_weight = self._prepare(x, y, sample_weight)
+
+        def body(x, y, w):
+            result = self.compute(x, y, w)
+            summed = result.weighted_sum(tf.ones_like(result.losses))
+            with tf.GradientTape() as tape:
+                from pergrad.engine.strategies import _weighted
+                total = tf.reduce_sum(_weighted(self._loss_fn(y, self.model(
+                    x, training=self.training)), w))
+            batch = tape.gradient(total, result.variables,
+                                  unconnected_gradients=tf.UnconnectedGradients.ZERO)
+            return summed, [tf.convert_to_tensor(g) for g in batch]  # IndexedSlices too
+
+        summed, batch = self._function("check", body)(x, y, sample_weight)
+        wrong = []
+        # Errors relative to the largest batch-gradient entry of the model: some variables'
+        # gradients are exactly zero in exact arithmetic (attention's key bias) and only noise.
+        scale = max([float(np.max(np.abs(np.asarray(b)))) for b in batch if np.size(b)] + [1e-30])
+        for v, got, want in zip(self.model.trainable_variables, summed, batch, strict=True):
+            got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
+            error = float(np.max(np.abs(got - want), initial=0.0)) / scale
+            if error > rtol:
+                wrong.append(f"{v.path} (relative error {error:.2g})")
+        if wrong:
+            raise ValueError(
+                "The per-example gradients do not add up to the batch gradient for "
+                + ", ".join(wrong) + ". A weight is probably used outside its own layer's call "
+                "(e.g. tied embeddings); move that use into a layer of its own, or use "
+                "strategy='vmap', which differentiates the whole model per example.")
+
+
 def clip_factors(norms: tf.Tensor, l2_norm_clip) -> tf.Tensor:
     """``min(1, C / ||g_i||)``, with 1 for a zero gradient."""
     clip = tf.cast(l2_norm_clip, norms.dtype)
