@@ -102,7 +102,10 @@ class PerExample:
                    self.training, self._warned)
 
     # -- compiled public methods ----------------------------------------------------------------
-    def _function(self, name: str, body):
+    def compiled(self, name: str, body):
+        """``body`` as a ``tf.function`` cached under ``name`` (traced once per input
+        signature, ``reduce_retracing=True``, counted in ``trace_counts[name]``). For code that
+        builds its own computations on :meth:`compute`, as ``pergrad.stats`` does."""
         if name not in self._compiled:
             def traced(*args):
                 self.trace_counts[name] += 1
@@ -113,7 +116,9 @@ class PerExample:
                                                reduce_retracing=True, autograph=False)
         return self._compiled[name]
 
-    def _prepare(self, x, y, sample_weight):
+    def prepare(self, x, y=None, sample_weight=None) -> tuple:
+        """Inputs as tensors (floating arrays in ``keras.config.floatx()``, as Keras's data
+        adapters convert them), the model built if needed, the sample weights checked."""
         x, y, sample_weight = _to_tensors(x), _to_tensors(y), _to_tensors(sample_weight)
         if not self.model.built:
             self.model(_slice(x, 0, 1))
@@ -126,8 +131,8 @@ class PerExample:
     def gradients(self, x, y=None, sample_weight=None) -> list[tf.Tensor]:
         """``g_i`` per trainable variable, each ``(B, *var.shape)``, aligned with
         ``model.trainable_variables``."""
-        x, y, sample_weight = self._prepare(x, y, sample_weight)
-        fn = self._function("gradients",
+        x, y, sample_weight = self.prepare(x, y, sample_weight)
+        fn = self.compiled("gradients",
                             lambda x, y, w: self.compute(x, y, w).gradients())
         batch = _batch_size(x)
         chunk = self._chunk_size(batch)
@@ -146,25 +151,25 @@ class PerExample:
 
     def norms(self, x, y=None, sample_weight=None) -> tf.Tensor:
         """``||g_i||``, the L2 norm of each example's whole gradient, ``(B,)``."""
-        x, y, sample_weight = self._prepare(x, y, sample_weight)
-        return self._function("norms", lambda x, y, w: self.compute(x, y, w).norms())(
+        x, y, sample_weight = self.prepare(x, y, sample_weight)
+        return self.compiled("norms", lambda x, y, w: self.compute(x, y, w).norms())(
             x, y, sample_weight)
 
     def losses(self, x, y=None, sample_weight=None) -> tf.Tensor:
         """``l_i``, the per-example losses (sample weights applied), ``(B,)``."""
-        x, y, sample_weight = self._prepare(x, y, sample_weight)
+        x, y, sample_weight = self.prepare(x, y, sample_weight)
 
         def body(x, y, w):
             from pergrad.engine.strategies import _weighted
             return _weighted(self._loss_fn(y, self.model(x, training=self.training)), w)
 
-        return self._function("losses", body)(x, y, sample_weight)
+        return self.compiled("losses", body)(x, y, sample_weight)
 
     def dot(self, x, y, vectors: list, sample_weight=None) -> tf.Tensor:
         """``<g_i, v>`` for ``vectors`` aligned with ``model.trainable_variables``, ``(B,)``."""
-        x, y, sample_weight = self._prepare(x, y, sample_weight)
+        x, y, sample_weight = self.prepare(x, y, sample_weight)
         vectors = [tf.convert_to_tensor(v) for v in vectors]
-        return self._function("dot", lambda x, y, w, v: self.compute(x, y, w).dot(v))(
+        return self.compiled("dot", lambda x, y, w, v: self.compute(x, y, w).dot(v))(
             x, y, sample_weight, vectors)
 
     def clipped_sum(self, x, y, l2_norm_clip: float, sample_weight=None
@@ -172,14 +177,14 @@ class PerExample:
         """``(sum_i min(1, C / ||g_i||) g_i per variable, ||g_i||)`` for ``C = l2_norm_clip``."""
         if not l2_norm_clip > 0:
             raise ValueError(f"l2_norm_clip must be > 0, got {l2_norm_clip}.")
-        x, y, sample_weight = self._prepare(x, y, sample_weight)
+        x, y, sample_weight = self.prepare(x, y, sample_weight)
 
         def body(x, y, w, clip):
             result = self.compute(x, y, w)
             norms = result.norms()
             return result.weighted_sum(clip_factors(norms, clip)), norms
 
-        return self._function("clipped_sum", body)(
+        return self.compiled("clipped_sum", body)(
             x, y, sample_weight, tf.constant(l2_norm_clip, tf.float64))
 
 
@@ -193,7 +198,7 @@ class PerExample:
         with ``training=False`` to check a model with dropout). Raises ``ValueError`` naming the
         variables whose relative error exceeds ``rtol``.
         """
-        x, y, sample_weight = self._prepare(x, y, sample_weight)
+        x, y, sample_weight = self.prepare(x, y, sample_weight)
 
         def body(x, y, w):
             result = self.compute(x, y, w)
@@ -206,7 +211,7 @@ class PerExample:
                                   unconnected_gradients=tf.UnconnectedGradients.ZERO)
             return summed, [tf.convert_to_tensor(g) for g in batch]  # IndexedSlices too
 
-        summed, batch = self._function("check", body)(x, y, sample_weight)
+        summed, batch = self.compiled("check", body)(x, y, sample_weight)
         wrong = []
         # Errors relative to the largest batch-gradient entry of the model: some variables'
         # gradients are exactly zero in exact arithmetic (attention's key bias) and only noise.

@@ -119,18 +119,18 @@ def gradient_statistics(pex: PerExample, x: Any, y: Any = None, sample_weight: A
         stats["cosine_to_batch"]   # (B,)
         stats["noise_scale"]       # scalar
     """
-    x, y, sample_weight = pex._prepare(x, y, sample_weight)
+    x, y, sample_weight = pex.prepare(x, y, sample_weight)
     name = "statistics_per_layer" if per_layer else "statistics"
 
     def body(x, y, w):
         return statistics_from_result(pex.compute(x, y, w), w, per_layer=per_layer)
 
-    return pex._function(name, body)(x, y, sample_weight)
+    return pex.compiled(name, body)(x, y, sample_weight)
 
 
 def gram(pex: PerExample, x: Any, y: Any = None, sample_weight: Any = None) -> tf.Tensor:
     """``K[i, j] = <g_i, g_j>``, ``(B, B)``, compiled; uses each form's Gram (the ghost trick
     ``sum_{t,s} (a_it . a_js)(d_it . d_js)`` for Dense/Conv kernels when cheaper than
     materializing)."""
-    x, y, sample_weight = pex._prepare(x, y, sample_weight)
-    return pex._function("gram", lambda x, y, w: pex.compute(x, y, w).gram())(x, y, sample_weight)
+    x, y, sample_weight = pex.prepare(x, y, sample_weight)
+    return pex.compiled("gram", lambda x, y, w: pex.compute(x, y, w).gram())(x, y, sample_weight)
