@@ -17,6 +17,7 @@ import random
 import tensorflow as tf
 
 from pergrad.aggregate.base import Aggregator, Partial, linear_local, register
+from pergrad.engine import clip_factors
 
 
 def _check_positive(name: str, value) -> float:
@@ -43,8 +44,7 @@ def _clip_coefficients(l2_norm_clip: float, per_layer: bool):
 
 def _clip(squared: tf.Tensor, clip: float) -> tf.Tensor:
     """``min(1, C / ||g_i||)`` (1 for a zero gradient)."""
-    norms = tf.sqrt(squared)
-    return tf.minimum(tf.ones_like(norms), clip / tf.maximum(norms, tf.cast(1e-30, norms.dtype)))
+    return clip_factors(tf.sqrt(squared), clip)
 
 
 @register

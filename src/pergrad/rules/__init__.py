@@ -67,6 +67,12 @@ def find_rule(layer: Any) -> Rule | None:
     return None
 
 
+def plain_weights(layer) -> bool:
+    """The layer's weights are its plain variables: no LoRA adapters, no quantization (those
+    compute the kernel from other variables, so they take the generic rule)."""
+    return not getattr(layer, "lora_enabled", False) and not getattr(layer, "quantization_mode", None)
+
+
 def registered_layer_classes() -> list[type]:
     return list(_RULES)
 
@@ -75,4 +81,4 @@ def registered_layer_classes() -> list[type]:
 from pergrad.rules import conv, dense, einsum_dense, embedding, normalization  # noqa: E402,F401
 
 __all__ = ["Factored", "Form", "LayerCall", "Materialized", "Rows", "Rule", "combine",
-           "find_rule", "register", "registered_layer_classes", "unbroadcast"]
+           "find_rule", "plain_weights", "register", "registered_layer_classes", "unbroadcast"]

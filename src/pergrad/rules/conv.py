@@ -18,7 +18,7 @@ import itertools
 import keras
 import tensorflow as tf
 
-from pergrad.rules import LayerCall, register
+from pergrad.rules import LayerCall, plain_weights, register
 from pergrad.rules.forms import Factored, Materialized, positions
 
 
@@ -145,9 +145,5 @@ def _filter_gradient(layer, x: tf.Tensor, d: tf.Tensor) -> tf.Tensor:
     return tape.gradient(out, kernel, output_gradients=d)
 
 
-def _plain(layer) -> bool:
-    return not getattr(layer, "lora_enabled", False)
-
-
 for _cls in (keras.layers.Conv1D, keras.layers.Conv2D, keras.layers.Conv3D):
-    register(_cls, splits_activation=True, applies=_plain)(conv_rule)
+    register(_cls, splits_activation=True, applies=plain_weights)(conv_rule)

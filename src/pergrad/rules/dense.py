@@ -12,15 +12,11 @@ from __future__ import annotations
 import keras
 import tensorflow as tf
 
-from pergrad.rules import LayerCall, register
+from pergrad.rules import LayerCall, plain_weights, register
 from pergrad.rules.forms import Factored, Materialized, positions, unbroadcast
 
 
-def _plain(layer) -> bool:
-    return not getattr(layer, "lora_enabled", False) and not getattr(layer, "quantization_mode", None)
-
-
-@register(keras.layers.Dense, splits_activation=True, applies=_plain)
+@register(keras.layers.Dense, splits_activation=True, applies=plain_weights)
 def dense_rule(layer, call: LayerCall, grad: tf.Tensor) -> list:
     x = tf.cast(call.args[0], layer.kernel.dtype)
     d = tf.cast(grad, layer.kernel.dtype)

@@ -19,7 +19,7 @@ import string
 import keras
 import tensorflow as tf
 
-from pergrad.rules import LayerCall, register
+from pergrad.rules import LayerCall, plain_weights, register
 from pergrad.rules.forms import Factored, Materialized, positions, unbroadcast
 
 
@@ -49,7 +49,7 @@ def _classify(x_spec: str, w_spec: str, z_spec: str):
 
 def _applies(layer) -> bool:
     """A factored rule exists for the equation (else the layer takes the generic rule)."""
-    if getattr(layer, "lora_enabled", False) or getattr(layer, "quantization_mode", None):
+    if not plain_weights(layer):
         return False
     if "..." in layer.equation.split("->")[0].split(",")[1]:
         return False

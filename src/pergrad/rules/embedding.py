@@ -10,15 +10,11 @@ from __future__ import annotations
 import keras
 import tensorflow as tf
 
-from pergrad.rules import LayerCall, register
+from pergrad.rules import LayerCall, plain_weights, register
 from pergrad.rules.forms import Rows
 
 
-def _plain(layer) -> bool:
-    return not getattr(layer, "lora_enabled", False) and not getattr(layer, "quantization_mode", None)
-
-
-@register(keras.layers.Embedding, applies=_plain)
+@register(keras.layers.Embedding, applies=plain_weights)
 def embedding_rule(layer, call: LayerCall, grad: tf.Tensor) -> list:
     ids = tf.cast(call.args[0], tf.int32)
     batch = tf.shape(ids)[0]
