@@ -82,6 +82,17 @@ def test_bench_quick_runs_and_writes_json(tmp_path):
     assert "| mlp | 16 |" in done.stdout
 
 
+def test_bench_runs_every_suite(tmp_path):
+    path = tmp_path / "suites.json"
+    done = pergrad("bench", "--quick", "--suites", "training,monitor,jacobian", "--json", str(path),
+                   timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    results = json.loads(path.read_text())
+    assert set(results) == {"training", "monitor", "jacobian"}
+    assert all(results[suite] for suite in results)
+    assert "x plain Keras" in done.stdout and "tf.function tape" in done.stdout
+
+
 def test_flip_labels_and_detection_scores():
     labels = np.arange(100) % 10
     noisy, flipped = flip_labels(labels, 0.25, seed=3)

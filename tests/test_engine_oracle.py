@@ -108,3 +108,15 @@ def test_gram_matches_oracle(name, float64):
     pex = pergrad.PerExample(case.model, case.loss)
     gram = tf.function(lambda x, y: pex.compute(x, y).gram())(case.x, case.y)
     assert_close(gram, flat @ flat.T, atol=1e-6 * np.max(np.abs(flat @ flat.T)))
+
+
+@pytest.mark.parametrize("name", ["mlp", "transformer"])
+def test_jit_compile_matches_loop_oracle(name, float64):
+    case = zoo.ALL[name]()
+    expected, _ = _oracle(case)
+    pex = pergrad.PerExample(case.model, case.loss, jit_compile=True)
+    scale = max(np.max(np.abs(e)) for e in expected)
+    for g, e in zip(pex.gradients(case.x, case.y), expected, strict=True):
+        assert_close(g, e, atol=1e-6 * scale)
+    flat = np.concatenate([e.reshape(len(e), -1) for e in expected], axis=1)
+    assert_close(pex.norms(case.x, case.y), np.linalg.norm(flat, axis=1))
