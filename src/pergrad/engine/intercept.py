@@ -42,9 +42,8 @@ def record_calls(plan: Plan):
                     "another nested graph, where pergrad cannot record it. Wrap the loop in its "
                     "own Layer so that the generic rule treats it as one unit."
                 )
-            record = LayerCall(layer, args, kwargs, None)
             if rule is not None and rule.check_call is not None:
-                rule.check_call(layer, record)
+                rule.check_call(layer, LayerCall(layer, args, kwargs, None))
             activation = getattr(layer, "activation", None) if split else None
             if activation is not None:
                 object.__setattr__(layer, "activation", None)

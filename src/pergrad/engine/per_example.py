@@ -13,7 +13,7 @@ import tensorflow as tf
 from pergrad.engine.losses import per_example_loss
 from pergrad.engine.plan import Plan, make_plan
 from pergrad.engine.result import PerExampleResult
-from pergrad.engine.strategies import STRATEGIES, run
+from pergrad.engine.strategies import STRATEGIES, run, weighted_losses
 
 
 def _to_tensors(structure):
@@ -160,8 +160,7 @@ class PerExample:
         x, y, sample_weight = self.prepare(x, y, sample_weight)
 
         def body(x, y, w):
-            from pergrad.engine.strategies import _weighted
-            return _weighted(self._loss_fn(y, self.model(x, training=self.training)), w)
+            return weighted_losses(self._loss_fn(y, self.model(x, training=self.training)), w)
 
         return self.compiled("losses", body)(x, y, sample_weight)
 
@@ -204,8 +203,7 @@ class PerExample:
             result = self.compute(x, y, w)
             summed = result.weighted_sum(tf.ones_like(result.losses))
             with tf.GradientTape() as tape:
-                from pergrad.engine.strategies import _weighted
-                total = tf.reduce_sum(_weighted(self._loss_fn(y, self.model(
+                    total = tf.reduce_sum(weighted_losses(self._loss_fn(y, self.model(
                     x, training=self.training)), w))
             batch = tape.gradient(total, result.variables,
                                   unconnected_gradients=tf.UnconnectedGradients.ZERO)

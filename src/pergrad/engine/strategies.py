@@ -17,7 +17,8 @@ from pergrad.rules.forms import Materialized
 STRATEGIES = ("auto", "vmap", "jacobian", "loop")
 
 
-def _weighted(losses: tf.Tensor, sample_weight) -> tf.Tensor:
+def weighted_losses(losses: tf.Tensor, sample_weight) -> tf.Tensor:
+    """``w_i l_i``; ``sample_weight`` is ``None``, ``(B,)`` or ``(B, 1)``."""
     if sample_weight is None:
         return losses
     w = tf.cast(sample_weight, losses.dtype)
@@ -41,7 +42,7 @@ def run_auto(model, plan: Plan, loss_fn, x, y, sample_weight, training: bool,
     with tf.GradientTape(persistent=bool(plan.residual or replayed)) as tape:
         with record_calls(plan) as calls:
             predictions = model(x, training=training)
-        losses = _weighted(loss_fn(y, predictions), sample_weight)
+        losses = weighted_losses(loss_fn(y, predictions), sample_weight)
         total = tf.reduce_sum(losses)
     records = [c for layer in plan.tapped_layers for c in calls.get(id(layer), [])]
     taps = [[t for t in tf.nest.flatten(r.tapped) if isinstance(t, tf.Tensor)] for r in records]
@@ -86,7 +87,7 @@ def run_jacobian(model, loss_fn, x, y, sample_weight, training: bool) -> PerExam
     variables = list(model.trainable_variables)
     with tf.GradientTape() as tape:
         predictions = model(x, training=training)
-        losses = _weighted(loss_fn(y, predictions), sample_weight)
+        losses = weighted_losses(loss_fn(y, predictions), sample_weight)
     grads = tape.jacobian(losses, variables, unconnected_gradients=tf.UnconnectedGradients.ZERO)
     return _materialized(model, grads, losses, predictions)
 
@@ -99,7 +100,7 @@ def _one_example_fn(model, loss_fn, training: bool, values, frozen):
             tape.watch(values)
             kwargs = {"training": training} if getattr(model, "_call_has_training_arg", True) else {}
             predictions, _ = model.stateless_call(values, frozen, xi, **kwargs)
-            loss = _weighted(loss_fn(yi, predictions), wi)[0]
+            loss = weighted_losses(loss_fn(yi, predictions), wi)[0]
         grads = tape.gradient(loss, values, unconnected_gradients=tf.UnconnectedGradients.ZERO)
         return loss, grads
     return fn
