@@ -39,3 +39,25 @@ def assert_close(actual, expected, rtol=1e-6, atol=None, what=""):
     scale = max(np.max(np.abs(expected)), 1e-12)
     atol = rtol * scale if atol is None else atol
     np.testing.assert_allclose(actual, expected, rtol=rtol, atol=atol, err_msg=what)
+
+
+def keras_loss(loss):
+    """One example's loss computed by Keras itself, independently of pergrad's loss adapter.
+
+    A Keras loss object is rebuilt with ``reduction="sum"`` (for one example: the sum over its
+    positions of Keras's elementwise loss), a loss name goes through ``keras.losses.get``, a list
+    is one loss per output (summed), ``None`` means the model outputs the loss.
+    """
+    import keras
+
+    if loss is None:
+        return lambda y_true, y_pred: tf.reduce_sum(y_pred)
+    if isinstance(loss, (list, tuple)):
+        parts = [keras_loss(part) for part in loss]
+        return lambda y_true, y_pred: tf.add_n(
+            [fn(t, p) for fn, t, p in zip(parts, y_true, y_pred, strict=True)])
+    if isinstance(loss, str):
+        fn = keras.losses.get(loss)
+        return lambda y_true, y_pred: tf.reduce_sum(fn(y_true, y_pred))
+    summed = type(loss).from_config({**loss.get_config(), "reduction": "sum"})
+    return lambda y_true, y_pred: summed(y_true, y_pred)

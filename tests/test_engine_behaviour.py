@@ -11,17 +11,16 @@ import tensorflow as tf
 import zoo
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from oracle import assert_close, loop_gradients
+from oracle import assert_close, keras_loss, loop_gradients
 
 import pergrad
 import pergrad.rules
-from pergrad.engine.losses import per_example_loss
 
 L = keras.layers
 
 
 def _oracle(case):
-    return loop_gradients(case.model, per_example_loss(case.loss), case.x, case.y,
+    return loop_gradients(case.model, keras_loss(case.loss), case.x, case.y,
                           case.sample_weight)[0]
 
 
@@ -41,7 +40,7 @@ def test_frozen_batchnorm_in_training_mode_is_fine(float64):
     model = keras.Model(inputs, outputs)
     x, y = np.random.default_rng(0).normal(size=(4, 4)), np.ones((4, 2))
     got = pergrad.PerExample(model, "mse", training=True).gradients(x, y)
-    expected, _ = loop_gradients(model, per_example_loss("mse"), x, y, training=True)
+    expected, _ = loop_gradients(model, keras_loss("mse"), x, y, training=True)
     for g, e in zip(got, expected, strict=True):
         assert_close(g, e)
 
@@ -126,7 +125,7 @@ def test_unvectorizable_layer_falls_back_to_a_loop_and_warns_once(float64):
         pex.norms(x, y)
     messages = [str(w.message) for w in caught if "sorted_scale" in str(w.message)]
     assert len(messages) == 1 and "per-example loop" in messages[0]
-    expected, _ = loop_gradients(model, per_example_loss("mse"), x, y)
+    expected, _ = loop_gradients(model, keras_loss("mse"), x, y)
     for g, e in zip(got, expected, strict=True):
         assert_close(g, e)
 
@@ -218,7 +217,7 @@ def test_random_dense_and_conv_shapes(kind, d_in, d_out, steps, kernel, stride, 
         model = keras.Model(inputs, L.Dense(2)(L.Flatten()(layer(inputs))))
         x, y = rng.normal(size=(batch, *shape)), rng.normal(size=(batch, 2))
         pex = pergrad.PerExample(model, "mse")
-        expected, _ = loop_gradients(model, per_example_loss("mse"), x, y)
+        expected, _ = loop_gradients(model, keras_loss("mse"), x, y)
         for g, e in zip(pex.gradients(x, y), expected, strict=True):
             assert_close(g, e)
         flat = np.concatenate([e.reshape(batch, -1) for e in expected], axis=1)
@@ -309,7 +308,7 @@ def test_einsum_equation_without_a_factored_form_takes_the_generic_rule(float64)
     assert [how for _, cls, how in pex.plan.describe() if cls == "EinsumDense"] == ["generic"]
     rng = np.random.default_rng(4)
     x, y = rng.normal(size=(3, 4, 6)), rng.normal(size=(3, 2))
-    expected, _ = loop_gradients(model, per_example_loss("mse"), x, y)
+    expected, _ = loop_gradients(model, keras_loss("mse"), x, y)
     for g, e in zip(pex.gradients(x, y), expected, strict=True):
         assert_close(g, e)
 
@@ -324,7 +323,7 @@ def test_convolutions_with_dynamic_image_sizes(float64):
     rng = np.random.default_rng(5)
     for size in (7, 9, 12):
         x, y = rng.normal(size=(3, size, size + 1, 2)), rng.normal(size=(3, 2))
-        expected, _ = loop_gradients(model, per_example_loss("mse"), x, y)
+        expected, _ = loop_gradients(model, keras_loss("mse"), x, y)
         for g, e in zip(pex.gradients(x, y), expected, strict=True):
             assert_close(g, e)
         flat = np.concatenate([e.reshape(3, -1) for e in expected], axis=1)

@@ -7,14 +7,13 @@ import numpy as np
 import pytest
 import tensorflow as tf
 import zoo
-from oracle import assert_close, loop_gradients
+from oracle import assert_close, keras_loss, loop_gradients
 
 import pergrad
-from pergrad.engine.losses import per_example_loss
 
 
 def _oracle(case):
-    loss_fn = per_example_loss(case.loss)
+    loss_fn = keras_loss(case.loss)
     return loop_gradients(case.model, loss_fn, case.x, case.y, case.sample_weight)
 
 
@@ -76,7 +75,7 @@ def test_float32_within_1e4_of_the_float64_oracle(rng):
     try:  # the same weights in a float64 twin: the reference
         twin = zoo.mlp().model
         twin.set_weights([w.astype("float64") for w in model.get_weights()])
-        expected, _ = loop_gradients(twin, per_example_loss(zoo.SCCE), x.astype("float64"), y)
+        expected, _ = loop_gradients(twin, keras_loss(zoo.SCCE), x.astype("float64"), y)
     finally:
         keras.config.set_floatx("float32")
         keras.config.set_dtype_policy("float32")
@@ -93,7 +92,7 @@ def test_regularization_losses_are_excluded(float64):
     pex = pergrad.PerExample(case.model, case.loss)
     grads = pex.gradients(case.x, case.y)
     with tf.GradientTape() as tape:
-        data_loss = tf.reduce_sum(per_example_loss(case.loss)(case.y, case.model(case.x)))
+        data_loss = tf.reduce_sum(keras_loss(case.loss)(case.y, case.model(case.x)))
     batch_grads = tape.gradient(data_loss, case.model.trainable_variables)
     for g, b in zip(grads, batch_grads, strict=True):
         assert_close(tf.reduce_sum(g, 0), b)

@@ -8,10 +8,9 @@ import pytest
 import zoo
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from oracle import assert_close, loop_gradients
+from oracle import assert_close, keras_loss, loop_gradients
 
 import pergrad
-from pergrad.engine.losses import per_example_loss
 from pergrad.rules import forms
 from pergrad.stats import BATCH_STATISTICS, batch_statistics, gradient_statistics, gram
 
@@ -50,7 +49,7 @@ def reference(flat: np.ndarray, active: np.ndarray) -> dict[str, float]:
 
 
 def _materialize(case):
-    grads, losses = loop_gradients(case.model, per_example_loss(case.loss), case.x, case.y,
+    grads, losses = loop_gradients(case.model, keras_loss(case.loss), case.x, case.y,
                                    case.sample_weight)
     return grads, np.concatenate([g.reshape(len(g), -1) for g in grads], axis=1), losses
 
