@@ -89,6 +89,15 @@ COLUMNS: tuple[tuple[str, str, str], ...] = (
 
 
 # -- shared, NumPy only ---------------------------------------------------------------------------
+
+
+def _row(framework: str, model: str, batch: int, method: str, seconds: float, calls: int) -> dict:
+    """One timing row, as every worker reports it."""
+    return dict(
+        framework=framework, model=model, batch=batch, method=method, seconds=seconds, calls=calls
+    )
+
+
 def init_params(name: str, seed: int = 0) -> list[np.ndarray]:
     """He-normal kernels and small random biases in Keras layout (Dense ``(in, out)``, Conv2D
     ``(kh, kw, in, out)``), in ``model.trainable_variables`` order."""
@@ -217,16 +226,7 @@ def worker_pergrad(
                 seconds, n = median_seconds(
                     fn, repeats=repeats, budget_s=float("inf"), warmup=warmup
                 )
-                rows.append(
-                    dict(
-                        framework="pergrad",
-                        model=name,
-                        batch=size,
-                        method=method,
-                        seconds=seconds,
-                        calls=n,
-                    )
-                )
+                rows.append(_row("pergrad", name, size, method, seconds, n))
     return rows, info
 
 
@@ -385,16 +385,7 @@ def worker_torch(
                 info["check_norms"][name] = loop.tolist()
             for method, fn in calls.items():
                 seconds, n = median_time(lambda fn=fn, x=x, y=y: fn(x, y), block, repeats, warmup)
-                rows.append(
-                    dict(
-                        framework=framework,
-                        model=name,
-                        batch=size,
-                        method=method,
-                        seconds=seconds,
-                        calls=n,
-                    )
-                )
+                rows.append(_row(framework, name, size, method, seconds, n))
     return rows, info
 
 
@@ -486,16 +477,7 @@ def worker_jax(
                 seconds, n = median_time(
                     lambda fn=fn, x=x, y=y, p=params: fn(p, x, y), block, repeats, warmup
                 )
-                rows.append(
-                    dict(
-                        framework="jax",
-                        model=name,
-                        batch=size,
-                        method=method,
-                        seconds=seconds,
-                        calls=n,
-                    )
-                )
+                rows.append(_row("jax", name, size, method, seconds, n))
     return rows, info
 
 

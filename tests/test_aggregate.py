@@ -217,7 +217,7 @@ def test_scaled_view_unscales_every_quantity(float64, rng):
     model = _model()
     x, y = _data(rng)
     result = pergrad.PerExample(model, _loss).compute(tf.constant(x), tf.constant(y))
-    view = aggregate.scaled(result, 0.25)
+    view = result.scaled(0.25)
     assert_close(view.norms(), 0.25 * result.norms().numpy())
     for a, e in zip(view.weighted_sum(tf.ones([B], tf.float64)),
                     result.weighted_sum(tf.ones([B], tf.float64)), strict=True):

@@ -22,7 +22,7 @@ from pergrad.aggregate.base import (
     deserialize,
     serialize,
 )
-from pergrad.aggregate.examples import Batch, masked, scaled
+from pergrad.aggregate.examples import Batch
 from pergrad.aggregate.linear import clip_mean, dp_mean, mean, normalized_mean, sum
 from pergrad.aggregate.order import custom, median, trimmed_mean
 
@@ -35,11 +35,9 @@ __all__ = [
     "custom",
     "deserialize",
     "dp_mean",
-    "masked",
     "mean",
     "median",
     "normalized_mean",
-    "scaled",
     "serialize",
     "sum",
     "trimmed_mean",

@@ -22,7 +22,7 @@ from typing import Any, NamedTuple
 
 import tensorflow as tf
 
-from pergrad.aggregate.examples import Batch, finite_examples, masked
+from pergrad.aggregate.examples import Batch, finite_examples
 
 
 class Partial(NamedTuple):
@@ -170,7 +170,7 @@ def linear_local(coefficients: Callable[[list, Batch], Any], needs_norms: bool):
             return [tf.identity(s) for s in result.weighted_sum(c)]
 
         def with_rows_zeroed():
-            return masked(result, keep).weighted_sum(c)
+            return result.masked(keep).weighted_sum(c)
 
         values = tf.cond(tf.reduce_all(keep), as_is, with_rows_zeroed)
         return Partial(list(values), rows, None, dropped)

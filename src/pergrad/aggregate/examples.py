@@ -51,20 +51,3 @@ def finite_examples(result: PerExampleResult, squared_norms: list, batch: Batch)
         return finite_loss
     finite_grad = tf.math.is_finite(tf.add_n(squared_norms))
     return tf.logical_and(finite_loss, finite_grad)
-
-
-def masked(result: PerExampleResult, keep: tf.Tensor) -> PerExampleResult:
-    """``result`` with the rows of examples where ``keep`` is false set to zero
-    (:meth:`PerExampleResult.masked`)."""
-    return result.masked(keep)
-
-
-def scaled(result: PerExampleResult, factor) -> PerExampleResult:
-    """A view of ``result`` whose gradients and losses are multiplied by ``factor``
-    (:meth:`PerExampleResult.scaled`).
-
-    ``PerExampleModel`` runs the backward pass on ``S * loss`` (loss scaling) and hands
-    aggregators and monitors ``scaled(result, 1 / S)``: every quantity is then the unscaled one,
-    computed in the forms' own (float32) precision.
-    """
-    return result.scaled(factor)

@@ -29,13 +29,11 @@ import statistics
 import time
 from collections.abc import Callable
 
-os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+import keras
+import numpy as np
+import tensorflow as tf
 
-import keras  # noqa: E402
-import numpy as np  # noqa: E402
-import tensorflow as tf  # noqa: E402
-
-from pergrad.jacobian import jacobian  # noqa: E402
+from pergrad.jacobian import jacobian
 
 tf.get_logger().setLevel("ERROR")  # the eager tape's per-call pfor retracing warnings
 

@@ -19,20 +19,17 @@ Nothing here asserts on timings.
 
 from __future__ import annotations
 
-import os
 import statistics
 import time
 import warnings
 
-os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+import keras
+import tensorflow as tf
 
-import keras  # noqa: E402
-import tensorflow as tf  # noqa: E402
-
-from pergrad.bench.models import MODELS, batch  # noqa: E402
-from pergrad.bench.timing import script_main  # noqa: E402
-from pergrad.keras import PerExampleModel  # noqa: E402
-from pergrad.keras.monitor import GradientMonitor  # noqa: E402
+from pergrad.bench.models import MODELS, batch
+from pergrad.bench.timing import script_main
+from pergrad.keras import PerExampleModel
+from pergrad.keras.monitor import GradientMonitor
 
 LOSS = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
 BATCH = 256

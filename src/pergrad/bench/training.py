@@ -13,20 +13,17 @@ Usage:
 
 from __future__ import annotations
 
-import os
 import random
 import statistics
 import time
 
-os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+import keras
+import tensorflow as tf
 
-import keras  # noqa: E402
-import tensorflow as tf  # noqa: E402
-
-from pergrad import aggregate  # noqa: E402
-from pergrad.bench.models import batch, cnn, transformer  # noqa: E402
-from pergrad.bench.timing import script_main  # noqa: E402
-from pergrad.keras import PerExampleModel  # noqa: E402
+from pergrad import aggregate
+from pergrad.bench.models import batch, cnn, transformer
+from pergrad.bench.timing import script_main
+from pergrad.keras import PerExampleModel
 
 MODELS = {"cnn": cnn, "transformer": transformer}
 VARIANTS = {

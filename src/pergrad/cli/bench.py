@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 
 
 def _csv(kind):
@@ -47,7 +48,7 @@ def run(args: argparse.Namespace) -> int:
     if unknown or bad_suites or any(b < 1 for b in args.batch_sizes):
         what = (f"unknown models {unknown}" if unknown else f"unknown suites {bad_suites}"
                 if bad_suites else "batch sizes must be positive")
-        print(f"pergrad bench: error: {what}", file=__import__("sys").stderr)
+        print(f"pergrad bench: error: {what}", file=sys.stderr)
         return 2
     results = {}
     for suite in args.suites:

@@ -307,7 +307,7 @@ class PerExampleModel(keras.Model):
         variables = result.variables
         self._check_no_call_losses(variables)
         if scale is not None:
-            result = aggregate.scaled(result, 1.0 / scale)
+            result = result.scaled(1.0 / scale)  # unscaled gradients, float32 norms
 
         batch = aggregate.Batch.of(result, sample_weight, loss_scaled=scale is not None)
         local = self.aggregator.local(result, batch)
