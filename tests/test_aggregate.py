@@ -38,12 +38,16 @@ def _reference(model, x, y, sample_weight=None):
     return grads, np.sqrt(np.sum(flat ** 2, axis=1))
 
 
-def _run(agg, model, x, y, sample_weight=None, step=0):
+def _key(counter: int, seed: int = 7) -> tf.Tensor:
+    return tf.constant([seed, counter], tf.int64)
+
+
+def _run(agg, model, x, y, sample_weight=None, key=None):
     pex = pergrad.PerExample(model, _loss)
 
     @tf.function
     def fn(x, y, w):
-        return agg(pex.compute(x, y, w), w, step=step)
+        return agg(pex.compute(x, y, w), w, key=key)
 
     w = None if sample_weight is None else tf.constant(sample_weight)
     return [g.numpy() for g in fn(tf.constant(x), tf.constant(y), w)]
@@ -101,14 +105,14 @@ def test_dp_mean_noise_stddev(rng):
     clip, sigma = 0.5, 3.0
     clean = _run(aggregate.clip_mean(clip), model, x, y)[0]
     agg = aggregate.dp_mean(clip, sigma, seed=7)
-    noise = np.concatenate([(_run(agg, model, x, y, step=s)[0] - clean).ravel()
+    noise = np.concatenate([(_run(agg, model, x, y, key=_key(s))[0] - clean).ravel()
                             for s in range(3)])
     expected = clip * sigma / 4
     assert abs(noise.std() / expected - 1) < 0.1, (noise.std(), expected)
     assert abs(noise.mean()) < 4 * expected / np.sqrt(noise.size)
-    again = _run(aggregate.dp_mean(clip, sigma, seed=7), model, x, y, step=1)[0]
-    np.testing.assert_array_equal(again, _run(agg, model, x, y, step=1)[0])
-    assert not np.array_equal(_run(agg, model, x, y, step=0)[0], again)
+    again = _run(aggregate.dp_mean(clip, sigma), model, x, y, key=_key(1))[0]
+    np.testing.assert_array_equal(again, _run(agg, model, x, y, key=_key(1))[0])
+    assert not np.array_equal(_run(agg, model, x, y, key=_key(0))[0], again)
 
 
 def test_normalized_mean(float64, rng):

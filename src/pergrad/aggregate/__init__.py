@@ -12,7 +12,8 @@
 =====================  ========================================================================
 
 Use one inside ``pergrad.keras.PerExampleModel`` or directly: ``grads = agg(result)`` for a
-:class:`pergrad.PerExampleResult`. See :mod:`pergrad.aggregate.base` for the protocol.
+:class:`pergrad.PerExampleResult`. See :mod:`pergrad.aggregate.base` for the protocol and
+:mod:`pergrad.aggregate.noise` for why DP noise never repeats.
 """
 
 from pergrad.aggregate.base import (
@@ -24,11 +25,13 @@ from pergrad.aggregate.base import (
 )
 from pergrad.aggregate.examples import Batch
 from pergrad.aggregate.linear import clip_mean, dp_mean, mean, normalized_mean, sum
+from pergrad.aggregate.noise import NoiseStream
 from pergrad.aggregate.order import custom, median, trimmed_mean
 
 __all__ = [
     "Aggregator",
     "Batch",
+    "NoiseStream",
     "Partial",
     "clip_mean",
     "cross_replica",

@@ -10,19 +10,24 @@ Like an optax gradient transformation it is a small named tuple of pure function
 * :func:`cross_replica` ``(partial) -> Partial``: under ``tf.distribute`` sums the linear parts
   (``all_reduce``) or concatenates the per-example parts (``all_gather``) over replicas; the
   identity otherwise. Every replica then holds the same global ``Partial``.
-* ``finalize(partial, step) -> grads``: the update, from the global partial. Noise is drawn
-  here, from a stateless generator keyed by ``(seed, step)``: every replica draws the *same*
-  noise, so it enters the global update once.
+* ``finalize(partial, key) -> grads``: the update, from the global partial. Noise is drawn
+  here, from a stateless generator keyed by ``key``, an ``int64`` tensor ``[seed, counter]``
+  taken from a stream that never repeats (:mod:`pergrad.aggregate.noise`); aggregators without
+  noise ignore it (pass ``None``). Under ``tf.distribute`` every replica passes the same key and
+  draws the *same* noise, so it enters the global update once.
 """
 
 from __future__ import annotations
 
+import math
+import numbers
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import tensorflow as tf
 
 from pergrad.aggregate.examples import Batch, finite_examples
+from pergrad.aggregate.noise import NoiseSource
 
 
 class Partial(NamedTuple):
@@ -50,9 +55,14 @@ class Aggregator(NamedTuple):
         name: registry name (``"clip_mean"``, ...), used by :func:`serialize`.
         config: the factory's keyword arguments; ``factory(**config)`` rebuilds the aggregator.
         local: ``(PerExampleResult, Batch) -> Partial`` on one replica.
-        finalize: ``(Partial, step) -> list[tf.Tensor]``, the update aligned with the variables.
+        finalize: ``(Partial, key) -> list[tf.Tensor]``, the update aligned with the variables;
+            ``key`` is the noise key (``None`` for aggregators without noise).
         gathers: ``True`` if ``local`` keeps per-example gradients (gathered across replicas)
             rather than sums (summed across replicas).
+        clips: ``True`` if each example's influence on the update is bounded (clipping,
+            normalization, DP): ``PerExampleModel`` then checks that examples do not mix.
+        noise: the :class:`~pergrad.aggregate.noise.NoiseSource` of a noisy (DP) aggregator,
+            ``None`` for the others.
     """
 
     name: str
@@ -60,14 +70,25 @@ class Aggregator(NamedTuple):
     local: Callable[[Any, Batch], Partial]
     finalize: Callable[[Partial, Any], list]
     gathers: bool = False
+    clips: bool = False
+    noise: NoiseSource | None = None
 
-    def __call__(self, result, sample_weight=None, step=0) -> list[tf.Tensor]:
-        """The update for one batch on one device: ``finalize(local(result, batch), step)``.
+    @property
+    def noisy(self) -> bool:
+        """Whether ``finalize`` adds random noise (and so needs a fresh key every release)."""
+        return self.noise is not None
+
+    def __call__(self, result, sample_weight=None, *, key=None) -> list[tf.Tensor]:
+        """The update for one batch on one device: ``finalize(local(result, batch), key)``.
 
         ``sample_weight`` is the batch's sample weight, if any (the gradients in ``result``
-        already include it; order statistics use it to leave out zero-weight rows).
+        already include it; order statistics use it to leave out zero-weight rows). A noisy
+        aggregator called without ``key`` draws the next key of its own stream, so every call,
+        eager or inside a ``tf.function``, gets fresh noise.
         """
-        return self.finalize(self.local(result, Batch.of(result, sample_weight)), step)
+        if key is None and self.noisy:
+            key = self.noise.direct_stream(self.name).next_key()
+        return self.finalize(self.local(result, Batch.of(result, sample_weight)), key)
 
     def get_config(self) -> dict:
         return serialize(self)
@@ -181,6 +202,8 @@ def linear_local(coefficients: Callable[[list, Batch], Any], needs_norms: bool):
 def gathering_local(result, batch: Batch) -> Partial:
     """``local`` for order statistics: all ``g_i`` (zeroed where not included) and the mask."""
     rows = tf.cast(result.batch_size, result.norm_dtype)
+    if tf.get_static_value(rows) == 0:
+        require_rows(rows, "gathering (median, trimmed_mean, custom)")
     squared = result.squared_norms()
     keep = finite_examples(result, squared, batch)
     dropped = tf.reduce_sum(1.0 - tf.cast(keep, rows.dtype))
@@ -190,3 +213,50 @@ def gathering_local(result, batch: Batch) -> Partial:
         mask = tf.reshape(include, [-1] + [1] * (g.shape.rank - 1))
         values.append(tf.where(mask, g, tf.zeros_like(g)))
     return Partial(values, rows, tf.cast(include, rows.dtype), dropped)
+
+
+def check_number(name: str, value, minimum: float | None = None, strict: bool = False,
+                 below: float | None = None) -> float:
+    """``value`` as a finite Python float (numpy scalars accepted, bools refused), checked
+    against ``value >= minimum`` (``> minimum`` if ``strict``) and ``value < below``."""
+    if below is not None:
+        wanted = f"in {'(' if strict else '['}{minimum:g}, {below:g})"
+    elif minimum is not None:
+        wanted = f"a finite number {'>' if strict else '>='} {minimum:g}"
+    else:
+        wanted = "a finite number"
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) \
+            or not math.isfinite(float(value)) \
+            or (minimum is not None and (value <= minimum if strict else value < minimum)) \
+            or (below is not None and not value < below):
+        raise ValueError(f"{name} must be {wanted}, got {value!r}.")
+    return float(value)
+
+
+def check_integer(name: str, value, minimum: int = 1) -> int:
+    """``value`` as a Python int ``>= minimum`` (numpy integers, and floats with no fractional
+    part, accepted; ``2.5`` and bools refused rather than rounded)."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) \
+            or not math.isfinite(float(value)) or float(value) != int(value):
+        raise ValueError(f"{name} must be an integer, got {value!r}.")
+    if int(value) < minimum:
+        raise ValueError(f"{name} must be >= {minimum}, got {value!r}.")
+    return int(value)
+
+
+def require_rows(rows, name: str):
+    """``rows``, after checking the batch is not empty (a mean over no examples is undefined).
+
+    A batch of statically known size 0 raises ``ValueError`` here; a dynamic one fails at run
+    time with the same message.
+    """
+    message = (f"The {name} aggregator got an empty batch (0 examples); it has no value there. "
+               "Skip empty batches, or for DP-SGD over Poisson batches pass "
+               "expected_batch_size, which divides by the expected size instead.")
+    static = tf.get_static_value(rows)
+    if static is not None:
+        if float(static) <= 0:
+            raise ValueError(message)
+        return rows
+    with tf.control_dependencies([tf.debugging.assert_positive(rows, message=message)]):
+        return tf.identity(rows)

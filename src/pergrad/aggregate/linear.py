@@ -12,24 +12,30 @@ and ``D = B`` counts every row, so ``mean()`` is exactly Keras's ``sum_over_batc
 from __future__ import annotations
 
 import math
-import random
 
 import tensorflow as tf
 
-from pergrad.aggregate.base import Aggregator, Partial, linear_local, register
+from pergrad.aggregate.base import (
+    Aggregator,
+    Partial,
+    check_integer,
+    check_number,
+    linear_local,
+    register,
+    require_rows,
+)
+from pergrad.aggregate.noise import NoiseSource, split
 from pergrad.engine import clip_factors
 
 
 def _check_positive(name: str, value) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) \
-            or value <= 0:
-        raise ValueError(f"{name} must be a finite number > 0, got {value!r}.")
-    return float(value)
+    return check_number(name, value, minimum=0.0, strict=True)
 
 
-def _divide(partial: Partial, divisor=None) -> list:
+def _divide(partial: Partial, divisor=None, name: str = "mean") -> list:
+    """``values / D``; ``D`` defaults to the number of rows, which must not be 0."""
     values = partial.values
-    d = partial.rows if divisor is None else divisor
+    d = require_rows(partial.rows, name) if divisor is None else divisor
     return [v / tf.cast(d, v.dtype) for v in values]
 
 
@@ -51,14 +57,14 @@ def _clip(squared: tf.Tensor, clip: float) -> tf.Tensor:
 def mean() -> Aggregator:
     """``(1/B) sum_i g_i``: the ordinary batch gradient (Keras's ``sum_over_batch_size``)."""
     return Aggregator("mean", {}, linear_local(lambda s, b: 1.0, needs_norms=False),
-                      lambda p, step: _divide(p))
+                      lambda p, key: _divide(p, name="mean"))
 
 
 @register
 def sum() -> Aggregator:  # noqa: A001 - the name users expect, as in ``optax``/``keras.ops``
     """``sum_i g_i``."""
     return Aggregator("sum", {}, linear_local(lambda s, b: 1.0, needs_norms=False),
-                      lambda p, step: list(p.values))
+                      lambda p, key: list(p.values))
 
 
 @register
@@ -72,7 +78,7 @@ def clip_mean(l2_norm_clip: float, per_layer: bool = False) -> Aggregator:
     clip = _check_positive("l2_norm_clip", l2_norm_clip)
     return Aggregator("clip_mean", {"l2_norm_clip": clip, "per_layer": bool(per_layer)},
                       linear_local(_clip_coefficients(clip, bool(per_layer)), needs_norms=True),
-                      lambda p, step: _divide(p))
+                      lambda p, key: _divide(p, name="clip_mean"), clips=True)
 
 
 @register
@@ -87,34 +93,36 @@ def dp_mean(l2_norm_clip: float, noise_multiplier: float, seed: int | None = Non
     global batch (fixed-size batches, as TF Privacy's DP optimizers). Padding rows (weight 0)
     have ``g_i = 0`` and add nothing.
 
-    The noise is one draw per global step, from a stateless generator keyed by ``(seed, step)``;
-    under ``tf.distribute`` every replica draws the same numbers, so it is added once. With
-    ``seed=None`` a random seed is drawn from the operating system when the aggregator is built.
+    The noise is one draw per global step, from a stateless generator keyed by a noise key
+    ``[seed, counter]`` that is never reused (:mod:`pergrad.aggregate.noise`): ``PerExampleModel``
+    draws it from its own saved stream, a direct call ``agg(result)`` from the aggregator's
+    stream, and ``finalize(partial, key)`` takes it explicitly. With ``seed=None`` every stream
+    gets its own seed from the operating system; an explicit ``seed`` reproduces the same noise
+    for the same sequence of steps, so it may feed only one model. Under ``tf.distribute`` every
+    replica draws the same numbers, so the noise is added once.
     """
     clip = _check_positive("l2_norm_clip", l2_norm_clip)
-    if isinstance(noise_multiplier, bool) or not isinstance(noise_multiplier, (int, float)) \
-            or not math.isfinite(noise_multiplier) or noise_multiplier < 0:
-        raise ValueError(f"noise_multiplier must be a finite number >= 0, got {noise_multiplier!r}.")
+    sigma = check_number("noise_multiplier", noise_multiplier, minimum=0.0)
     if expected_batch_size is not None:
-        expected_batch_size = int(_check_positive("expected_batch_size", expected_batch_size))
-    sigma = float(noise_multiplier)
-    base_seed = random.SystemRandom().getrandbits(62) if seed is None else int(seed)
+        expected_batch_size = check_integer("expected_batch_size", expected_batch_size)
+    if seed is not None:
+        seed = check_integer("seed", seed, minimum=0)
     stddev = clip * sigma
 
-    def finalize(partial: Partial, step) -> list:
+    def finalize(partial: Partial, key) -> list:
         values = list(partial.values)
         if stddev > 0:
-            key = tf.stack([tf.constant(base_seed, tf.int64), tf.cast(step, tf.int64)])
-            keys = tf.random.experimental.stateless_split(key, num=len(values))
+            keys = split(key, len(values))
             values = [v + tf.random.stateless_normal(tf.shape(v), keys[k], stddev=stddev,
                                                      dtype=v.dtype)
                       for k, v in enumerate(values)]
-        return _divide(partial._replace(values=values), expected_batch_size)
+        return _divide(partial._replace(values=values), expected_batch_size, name="dp_mean")
 
     config = {"l2_norm_clip": clip, "noise_multiplier": sigma, "seed": seed,
               "expected_batch_size": expected_batch_size}
     return Aggregator("dp_mean", config,
-                      linear_local(_clip_coefficients(clip, False), needs_norms=True), finalize)
+                      linear_local(_clip_coefficients(clip, False), needs_norms=True), finalize,
+                      clips=True, noise=NoiseSource(seed))
 
 
 @register
@@ -126,4 +134,5 @@ def normalized_mean(gamma: float = 0.01) -> Aggregator:
         return 1.0 / (tf.sqrt(tf.add_n(squared)) + gamma)
 
     return Aggregator("normalized_mean", {"gamma": gamma},
-                      linear_local(coefficients, needs_norms=True), lambda p, step: _divide(p))
+                      linear_local(coefficients, needs_norms=True),
+                      lambda p, key: _divide(p, name="normalized_mean"), clips=True)

@@ -12,7 +12,14 @@ import math
 
 import tensorflow as tf
 
-from pergrad.aggregate.base import Aggregator, Partial, gathering_local, register
+from pergrad.aggregate.base import (
+    Aggregator,
+    Partial,
+    check_number,
+    gathering_local,
+    register,
+    require_rows,
+)
 
 
 def _sorted_included(v: tf.Tensor, include: tf.Tensor) -> tf.Tensor:
@@ -31,7 +38,8 @@ def median() -> Aggregator:
     ``median_i g_i[j]`` (the mean of the two middle values when ``n`` is even; 0 if ``n = 0``).
     """
 
-    def finalize(partial: Partial, step) -> list:
+    def finalize(partial: Partial, key) -> list:
+        require_rows(partial.rows, "median")
         n = _count(partial.include)
         lo, hi = tf.maximum((n - 1) // 2, 0), tf.maximum(n // 2, 0)
         out = []
@@ -50,12 +58,10 @@ def trimmed_mean(fraction: float) -> Aggregator:
     smallest and ``k`` largest of the ``n`` included values and average the other ``n - 2k``.
     ``fraction`` must lie in ``[0, 0.5)``; ``fraction=0`` is the mean over included examples.
     """
-    if isinstance(fraction, bool) or not isinstance(fraction, (int, float)) \
-            or not 0 <= fraction < 0.5:
-        raise ValueError(f"fraction must be in [0, 0.5), got {fraction!r}.")
-    fraction = float(fraction)
+    fraction = check_number("fraction", fraction, minimum=0.0, below=0.5)
 
-    def finalize(partial: Partial, step) -> list:
+    def finalize(partial: Partial, key) -> list:
+        require_rows(partial.rows, "trimmed_mean")
         n = _count(partial.include)
         k = tf.cast(tf.floor(fraction * tf.cast(n, tf.float64)), tf.int32)
         out = []
@@ -84,7 +90,7 @@ def custom(fn) -> Aggregator:
     if not callable(fn):
         raise TypeError(f"custom(fn) needs a callable, got {fn!r}.")
 
-    def finalize(partial: Partial, step) -> list:
+    def finalize(partial: Partial, key) -> list:
         values = list(partial.values)
         dtype = tf.float64 if any(v.dtype == tf.float64 for v in values) else tf.float32
         norms = tf.sqrt(tf.add_n([

@@ -5,21 +5,31 @@ The train step, for a batch ``(x_i, y_i, w_i)`` of ``B`` rows:
 1. one forward and one backward pass of ``S * sum_i w_i l_i`` through the engine
    (``l_i`` the compiled loss of example ``i``, ``S`` the optimizer's loss scale, 1 without);
 2. the aggregator's ``local`` on the unscaled per-example gradients, ``cross_replica`` under
-   ``tf.distribute``, ``finalize`` (DP noise is drawn here, once per global step);
+   ``tf.distribute``, ``finalize`` (DP noise is drawn here, once per global step, with the next
+   key of the model's own noise stream, the weight ``noise_state``);
 3. plus the gradient of the weight-regularization losses (they belong to no example);
 4. ``optimizer.apply``; loss and compiled metrics are updated as Keras does.
+
+Guards for aggregators that bound each example's influence (clipping, DP): on the first batch
+the model checks that no example's loss depends on another example (:class:`MixesExamplesError`
+otherwise); under a noisy (DP) aggregator a non-trainable variable written during the step from
+the batch (a running statistic) is refused, and an example whose loss-scaled gradient overflows
+is dropped like a NaN example, so no single example decides whether a DP step happens.
 """
 
 from __future__ import annotations
 
 import inspect
+import warnings
 from typing import Any
 
 import keras
 import tensorflow as tf
 
 from pergrad import aggregate
-from pergrad.engine import PerExample
+from pergrad.aggregate import noise
+from pergrad.engine import PerExample, compute_dtype, mixing_tolerance
+from pergrad.rules.normalization import MixesExamplesError
 
 INDEX_KEY = "example_index"
 """Key of an ``x`` dict entry holding each example's dataset index (int, ``(B,)``).
@@ -141,6 +151,30 @@ def _rows_finite(structure, batch) -> tf.Tensor:
     return keep
 
 
+def _keep_rows(structure, keep):
+    """Only the rows where ``keep`` is true (a dynamic number of them)."""
+    return tf.nest.map_structure(lambda t: None if t is None else tf.boolean_mask(t, keep),
+                                 structure)
+
+
+def _is_seed_state(variable) -> bool:
+    """A ``keras.random.SeedGenerator``'s state (dropout's): it advances every training call,
+    independently of the data, and is not a statistic of the batch."""
+    return variable.name == "seed_generator_state"
+
+
+_MIXING_MARKER = "pergrad: examples mix"
+
+
+def _mixing_message(tolerance: float) -> str:
+    return (f"{_MIXING_MARKER}. On the first batch an example's loss differs (relative "
+            f"difference at the end of this message, tolerance {tolerance:.1g}) between being "
+            "computed inside the batch and alone: a layer or the loss mixes examples (a mean over the batch axis, "
+            "BatchNormalization in training mode, a batch-dependent loss). Clipping and DP "
+            "noise would not bound one example's influence. Remove the mixing, or pass "
+            "check_example_mixing=False to PerExampleModel if you have accounted for it.")
+
+
 def _zero_rows(structure, keep):
     def zero(t):
         if t is None or not t.dtype.is_floating:
@@ -166,15 +200,30 @@ class PerExampleModel(keras.Model):
         aggregator: a :mod:`pergrad.aggregate` aggregator (or its ``serialize`` dict).
         monitor: optional object with ``compute(result, indices=, sample_weight=) -> dict`` of
             scalar tensors merged into the logs (``pergrad.keras.GradientMonitor``); if it is a
-            Keras callback, ``fit`` adds it to the callbacks. Not saved with the model.
+            Keras callback, ``fit`` adds it to the callbacks. Not saved with the model. Its
+            statistics come from raw, unclipped gradients: under a DP aggregator they are not
+            private, and a warning says so.
+        check_example_mixing: with an aggregator that bounds each example's influence (clipping,
+            DP), check on the first training batch that each example's loss depends on that
+            example alone (:meth:`pergrad.PerExample.example_mixing`) and refuse with
+            :class:`pergrad.MixesExamplesError` before any update otherwise.
+        allow_state_updates: under a noisy (DP) aggregator, non-trainable variables written from
+            the batch during the training step (running statistics of a custom layer) are
+            released without noise, so they are refused with an error naming them. Pass
+            ``True`` only if you account for that release yourself.
 
     Weight regularizers are added once to the aggregated gradient (they belong to no example).
     Losses added in ``call`` (``add_loss``, activity regularizers) are refused: they would be
     neither per example nor differentiated.
+
+    The DP noise key comes from the weight ``noise_state`` (``[seed, counter]``, advanced by every
+    step), which is saved with the model: recompiling continues the stream, and a model loaded
+    from a ``.keras`` file resumes it. See :mod:`pergrad.aggregate.noise`.
     """
 
     def __init__(self, model: keras.Model, aggregator: aggregate.Aggregator | dict | None = None,
-                 monitor: Any = None, **kwargs) -> None:
+                 monitor: Any = None, check_example_mixing: bool = True,
+                 allow_state_updates: bool = False, **kwargs) -> None:
         super().__init__(**kwargs)
         if not isinstance(model, keras.layers.Layer):
             raise TypeError(f"model must be a Keras model, got {type(model).__name__}.")
@@ -182,11 +231,31 @@ class PerExampleModel(keras.Model):
         self.aggregator = aggregate.mean() if aggregator is None \
             else aggregate.deserialize(aggregator)
         self.monitor = monitor
+        self.check_example_mixing = bool(check_example_mixing)
+        self.allow_state_updates = bool(allow_state_updates)
         self.dropped_examples = keras.metrics.Sum(name="dropped_examples")
         self._per_example: PerExample | None = None
         self._per_example_loss = None
         self._target_order = None
         self._loss_scale = None
+        self.noise_state = None
+        if self.aggregator.noisy:
+            seed = self.aggregator.noise.claim(self, self.aggregator.name)
+            self.noise_state = self.add_weight(
+                shape=noise.KEY_SHAPE, dtype="int64", trainable=False, name="noise_state",
+                initializer=keras.initializers.Constant(noise.initial_state(seed)),
+                aggregation="only_first_replica")
+            if monitor is not None:
+                warnings.warn(
+                    "A monitor on a DP model (aggregator "
+                    f"{self.aggregator.name!r}) computes its statistics from raw, unclipped, "
+                    "noise-free per-example gradients: they are not differentially private. Use "
+                    "them for debugging only; do not release them.", stacklevel=2)
+        self._mixing_checked = None
+        if self.check_example_mixing and self.aggregator.clips:
+            self._mixing_checked = tf.Variable(
+                False, trainable=False, name="example_mixing_checked",
+                aggregation=tf.VariableAggregation.ONLY_FIRST_REPLICA)
         if model.built:
             self.built = True
 
@@ -226,7 +295,12 @@ class PerExampleModel(keras.Model):
                 callbacks.append(self.monitor)
             bound.arguments["callbacks"] = callbacks
             args, kwargs = bound.args[1:], bound.kwargs
-        return super().fit(*args, **kwargs)
+        with _mixing_errors():
+            return super().fit(*args, **kwargs)
+
+    def train_on_batch(self, *args, **kwargs):
+        with _mixing_errors():
+            return super().train_on_batch(*args, **kwargs)
 
     def get_config(self) -> dict:
         return {
@@ -234,6 +308,8 @@ class PerExampleModel(keras.Model):
             "trainable": self.trainable,
             "model": keras.saving.serialize_keras_object(self.model),
             "aggregator": aggregate.serialize(self.aggregator),
+            "check_example_mixing": self.check_example_mixing,
+            "allow_state_updates": self.allow_state_updates,
         }
 
     @classmethod
@@ -281,9 +357,10 @@ class PerExampleModel(keras.Model):
                               unconnected_gradients=tf.UnconnectedGradients.ZERO)
         return grads
 
-    def _check_no_call_losses(self, variables: list) -> None:
-        weight_losses = sum(getattr(v, "regularizer", None) is not None for v in variables)
-        if len(self.model.losses) > weight_losses:
+    @staticmethod
+    def _check_no_call_losses(scope) -> None:
+        """Refuse losses added during the forward pass (collected by the stateless scope)."""
+        if scope.losses:
             raise ValueError(
                 "The model adds losses in call() (add_loss or an activity_regularizer). They are "
                 "computed from the whole batch, so PerExampleModel cannot split them into "
@@ -298,21 +375,29 @@ class PerExampleModel(keras.Model):
         engine = self.per_example()
         if self._target_order is not None and isinstance(y, dict):
             y = [y[name] for name in self._target_order]
+        checks = self._check_example_mixing(engine, x, y, sample_weight)
         scale = self._current_loss_scale()
         self._loss_scale = scale
         try:
-            result = engine.compute(x, y, sample_weight)
+            with tf.control_dependencies(checks), keras.StatelessScope(collect_losses=True) as scope:
+                result = engine.compute(x, y, sample_weight)
         finally:
             self._loss_scale = None
+        self._apply_state_updates(scope)
         variables = result.variables
-        self._check_no_call_losses(variables)
+        self._check_no_call_losses(scope)
         if scale is not None:
             result = result.scaled(1.0 / scale)  # unscaled gradients, float32 norms
 
-        batch = aggregate.Batch.of(result, sample_weight, loss_scaled=scale is not None)
+        # Under a DP aggregator an overflowing example is dropped like a NaN one (no skipped
+        # step that one example could decide); otherwise it reaches the loss-scale optimizer,
+        # which skips the step and lowers the scale, as in Keras.
+        loss_scaled = scale is not None and not self.aggregator.noisy
+        batch = aggregate.Batch.of(result, sample_weight, loss_scaled=loss_scaled)
         local = self.aggregator.local(result, batch)
         total = aggregate.cross_replica(local, self.aggregator.gathers)
-        grads = self.aggregator.finalize(total, self.optimizer.iterations)
+        key = noise.next_key(self.noise_state) if self.aggregator.noisy else None
+        grads = self.aggregator.finalize(total, key)
         self._check_shapes(grads, variables)
         regularization = self._regularization_gradients(variables)
         if regularization is not None:
@@ -330,6 +415,51 @@ class PerExampleModel(keras.Model):
             logs = {**logs, **dict(stats)}
         return logs
 
+    def _check_example_mixing(self, engine: PerExample, x, y, sample_weight) -> list:
+        """On the first batch only: assert that no example's loss depends on another example.
+
+        Returns the assertion to run before the step (``[]`` when the check is off or not needed).
+        The check itself (:meth:`PerExample.example_mixing`) runs inside a ``tf.cond``, so later
+        steps cost nothing.
+        """
+        if self._mixing_checked is None:
+            return []
+        tolerance = mixing_tolerance(compute_dtype(self.model))
+
+        def check():
+            error = engine.example_mixing(x, y, sample_weight)
+            assertion = tf.debugging.Assert(
+                error <= tolerance, [_mixing_message(tolerance), error], name="example_mixing")
+            with tf.control_dependencies([assertion]):
+                return tf.identity(error)
+
+        done = tf.convert_to_tensor(self._mixing_checked)
+        error = tf.cond(done, lambda: tf.zeros([], tf.float64), check)
+        with tf.control_dependencies([error]):
+            mark = self._mixing_checked.assign(True)
+        return [error, mark]
+
+    def _apply_state_updates(self, scope) -> None:
+        """Apply the variable writes recorded during the forward pass, or refuse them.
+
+        Seed-generator states (dropout) advance as usual. Any other non-trainable variable
+        written from the batch is, under a noisy aggregator, released without noise: refused
+        unless ``allow_state_updates``.
+        """
+        written = [v for v in self.model.variables if scope.get_current_value(v) is not None]
+        leaking = [v for v in written if not _is_seed_state(v)]
+        if leaking and self.aggregator.noisy and not self.allow_state_updates:
+            names = ", ".join(v.path for v in leaking)
+            raise ValueError(
+                f"The model writes the non-trainable variable(s) {names} from the batch during "
+                f"training. Under the DP aggregator {self.aggregator.name!r} they would be "
+                "released without noise, breaking the privacy guarantee. Freeze them (e.g. "
+                "call the layer with training=False, or make the statistic trainable=False and "
+                "fixed), or pass allow_state_updates=True to PerExampleModel if you account for "
+                "their release yourself.")
+        for v in written:
+            v.assign(scope.get_current_value(v))
+
     def _check_shapes(self, grads: list, variables: list) -> None:
         if len(grads) != len(variables):
             raise ValueError(f"The aggregator {self.aggregator.name!r} returned {len(grads)} "
@@ -342,7 +472,10 @@ class PerExampleModel(keras.Model):
 
     def _report(self, x, y, result, sample_weight, dropped, replicas) -> dict:
         """Keras's loss and metrics, on predictions whose non-finite rows are zeroed and
-        weighted 0 (so a dropped example does not turn the reported loss into NaN)."""
+        weighted 0 (so a dropped example does not turn the reported loss into NaN).
+
+        Rows of weight 0 (Poisson padding, dropped examples) are left out of every compiled
+        metric, the unweighted ``metrics=`` included (Keras would count them there)."""
         batch = result.batch_size
         keep = tf.logical_and(tf.math.is_finite(result.losses),
                               _rows_finite(result.predictions, batch))
@@ -359,4 +492,24 @@ class PerExampleModel(keras.Model):
         self._loss_tracker.update_state(loss * tf.cast(replicas, loss.dtype),
                                         sample_weight=batch)
         self.dropped_examples.update_state(dropped)
-        return self.compute_metrics(x, y, y_pred, sample_weight=weight)
+        counted = tf.reshape(tf.not_equal(weight, 0), [batch, -1])[:, 0]
+        return self.compute_metrics(x, _keep_rows(y, counted), _keep_rows(y_pred, counted),
+                                    sample_weight=_keep_rows(weight, counted))
+
+
+class _mixing_errors:
+    """Turn the first-batch mixing assertion (a TF runtime error) into MixesExamplesError."""
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, kind, error, traceback) -> bool:
+        if isinstance(error, tf.errors.InvalidArgumentError) and _MIXING_MARKER in str(error):
+            raise MixesExamplesError(_mixing_detail(str(error))) from None
+        return False
+
+
+def _mixing_detail(text: str) -> str:
+    """The assertion's message and the relative difference it printed after it."""
+    detail = text[text.index(_MIXING_MARKER):].split("\n")[0]
+    return detail.replace("] [", " Relative difference: ").strip(" []")

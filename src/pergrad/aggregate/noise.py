@@ -1,0 +1,156 @@
+"""Noise keys that never repeat: a ``[seed, counter]`` state that advances with every draw.
+
+DP-SGD's guarantee needs *fresh* Gaussian noise at every release: two updates noised with the
+same numbers can be subtracted and the noise cancels (epsilon becomes infinite). pergrad
+therefore never derives a noise key from something that can restart (an optimizer's
+``iterations``, a default ``step=0``). Every noisy draw takes a **key**, an ``int64`` tensor
+``[seed, counter]``, from a **stream**: a variable holding the next key, whose counter is
+incremented by the same draw that reads it (as ``keras.random.SeedGenerator`` does).
+
+* ``PerExampleModel`` owns one stream (a non-trainable weight ``noise_state``, saved in the
+  ``.keras`` file, so a restored model *resumes* the stream instead of restarting it).
+* A noisy aggregator called directly (``agg(result)``) draws from its own stream, which also
+  advances on every call, eagerly or inside a ``tf.function``.
+* A pure function (``Aggregator.finalize(partial, key)``) takes the key explicitly.
+
+``seed=None`` draws a new seed from the operating system for every stream, so two models (or a
+model and a direct call) never share noise. An explicit ``seed`` makes a run reproducible: the
+same seed and the same sequence of steps give the same noise, so one seeded aggregator may feed
+only one stream (:meth:`NoiseSource.claim` refuses a second).
+"""
+
+from __future__ import annotations
+
+import random
+import weakref
+
+import tensorflow as tf
+
+#: Shape and dtype of a noise key and of a stream's state.
+KEY_SHAPE = (2,)
+KEY_DTYPE = tf.int64
+
+
+def fresh_seed() -> int:
+    """A 62-bit seed from the operating system's entropy source (never Python's ``random``,
+    which ``keras.utils.set_random_seed`` resets)."""
+    return random.SystemRandom().getrandbits(62)
+
+
+def initial_state(seed: int) -> list[int]:
+    """The state a new stream starts from: ``[seed, 0]``."""
+    return [int(seed), 0]
+
+
+def next_key(state) -> tf.Tensor:
+    """Read the key ``[seed, counter]`` held by ``state`` and advance its counter by one.
+
+    ``state`` is a ``tf.Variable`` or Keras variable of shape ``(2,)`` and dtype ``int64``. The
+    read happens before the increment (automatic control dependencies order them in a
+    ``tf.function``), so consecutive calls return ``[s, c]``, ``[s, c + 1]``, ...
+    """
+    key = tf.identity(tf.convert_to_tensor(state))
+    with tf.control_dependencies([key]):
+        state.assign_add(tf.constant([0, 1], KEY_DTYPE))
+    return key
+
+
+def split(key, num: int) -> tf.Tensor:
+    """``num`` independent keys derived from ``key`` (``tf.random.experimental.stateless_split``),
+    one per variable of an update."""
+    return tf.random.experimental.stateless_split(check_key(key), num=num)
+
+
+def check_key(key) -> tf.Tensor:
+    """``key`` as an ``int64`` tensor of shape ``(2,)``, or a ``ValueError`` saying what a key is."""
+    if key is None:
+        raise ValueError(
+            "A noisy aggregator's finalize(partial, key) needs a noise key: an int64 tensor "
+            "[seed, counter] that is never reused. Call the aggregator itself (agg(result)), "
+            "which draws from its own stream, or draw keys with "
+            "pergrad.aggregate.NoiseStream(seed).next_key().")
+    if isinstance(key, (bool, int, float)) or (tf.is_tensor(key) and key.shape.rank == 0):
+        raise ValueError(
+            f"A noise key is an int64 tensor [seed, counter], not a step number ({key!r}): "
+            "a step count restarts (a new optimizer, a new model) and would repeat the noise. "
+            "Draw keys with pergrad.aggregate.NoiseStream(seed).next_key().")
+    key = tf.convert_to_tensor(key)
+    if not key.dtype.is_integer or tuple(key.shape) != KEY_SHAPE:
+        raise ValueError(f"A noise key is an integer tensor of shape (2,), got {key!r}.")
+    return tf.cast(key, KEY_DTYPE)
+
+
+class NoiseStream:
+    """A stream of noise keys held in a variable, created on first use.
+
+    Args:
+        seed: the stream's seed; ``None`` draws one from the operating system.
+
+    ``next_key()`` works eagerly and inside ``tf.function`` (the variable is created outside
+    any function graph on first use). Not for ``tf.distribute`` replica functions: there the
+    model's own stream (a mirrored variable) is used.
+    """
+
+    def __init__(self, seed: int | None = None) -> None:
+        self.seed = fresh_seed() if seed is None else int(seed)
+        self._state: tf.Variable | None = None
+
+    @property
+    def state(self) -> tf.Variable:
+        """The variable ``[seed, counter]`` (created on first access)."""
+        if self._state is None:
+            with tf.init_scope():
+                self._state = tf.Variable(initial_state(self.seed), dtype=KEY_DTYPE,
+                                          trainable=False, name="noise_state")
+        return self._state
+
+    def next_key(self) -> tf.Tensor:
+        """The next key ``[seed, counter]``; the counter advances."""
+        return next_key(self.state)
+
+
+class NoiseSource:
+    """The noise of one noisy aggregator: which streams draw from it, so that a seed feeds one.
+
+    With ``seed=None`` every owner (a model, or the aggregator's direct calls) gets its own fresh
+    seed and any number may claim one. With an explicit seed a second, different owner would
+    start a second stream at the same key ``[seed, 0]``, i.e. repeat the first one's noise:
+    :meth:`claim` refuses it.
+    """
+
+    def __init__(self, seed: int | None) -> None:
+        self.seed = seed
+        self._owner: weakref.ref | None = None  # the one owner of a seeded stream
+        self._owner_name = ""
+        self._direct: NoiseStream | None = None
+
+    def claim(self, owner, aggregator_name: str) -> int:
+        """Register ``owner`` and return the seed its stream starts from.
+
+        A seeded source stays claimed even after its owner is garbage-collected: that owner's
+        results may have been released, and a new stream would repeat their noise.
+        """
+        if self.seed is None:
+            return fresh_seed()
+        if self._owner is not None and self._owner() is not owner:
+            raise ValueError(
+                f"This {aggregator_name}(seed={self.seed}) aggregator already drew the noise of "
+                f"{self._owner_name}; a second stream from the same seed would repeat that "
+                "noise exactly, and anyone who sees both results could subtract it. Build one "
+                "aggregator per model (seed=None gives each its own fresh seed; the same explicit "
+                "seed reproduces the same noise on purpose).")
+        self._owner, self._owner_name = weakref.ref(owner), _describe(owner)
+        return self.seed
+
+    def direct_stream(self, aggregator_name: str) -> NoiseStream:
+        """The stream that direct calls ``agg(result)`` draw from (claimed on first use)."""
+        if self._direct is None:
+            self._direct = NoiseStream(self.claim(self, aggregator_name))
+        return self._direct
+
+
+def _describe(owner) -> str:
+    if isinstance(owner, NoiseSource):
+        return "its own direct calls (agg(result))"
+    name = getattr(owner, "name", None)
+    return f"{type(owner).__name__} {name!r}" if name else type(owner).__name__

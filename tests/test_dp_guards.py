@@ -1,0 +1,241 @@
+"""Routes that used to break DP silently now fail loudly or stay private (issue 9, parts 3-6).
+
+Each test is a reproducer of one silent failure: mixed-precision step skipping decided by one
+example, batch statistics written to non-trainable variables, a monitor on a DP model, metrics
+counting padding rows, bad aggregator arguments and empty batches.
+"""
+
+from __future__ import annotations
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import pergrad
+from pergrad import aggregate
+from pergrad.keras import PerExampleModel
+
+
+def _mlp():
+    return keras.Sequential([keras.Input((6,)), keras.layers.Dense(8, activation="tanh"),
+                             keras.layers.Dense(3)])
+
+
+@pytest.fixture
+def policy():
+    yield keras.config.set_dtype_policy
+    keras.config.set_dtype_policy("float32")
+
+
+# -- example mixing is refused before the first update ---------------------------------------------
+
+def _mixing_model():
+    return keras.Sequential([
+        keras.Input((6,)), keras.layers.Dense(8),
+        keras.layers.Lambda(lambda h: h - keras.ops.mean(h, axis=0, keepdims=True)),
+        keras.layers.Dense(3)])
+
+
+@pytest.mark.parametrize("aggregator", [aggregate.clip_mean(1.0), aggregate.dp_mean(1.0, 1.0),
+                                        aggregate.normalized_mean()])
+def test_a_mixing_layer_is_refused_before_any_update(rng, aggregator):
+    inner = _mixing_model()
+    before = inner.get_weights()
+    model = PerExampleModel(inner, aggregator)
+    model.compile(optimizer="sgd", loss="mse")
+    x, y = rng.normal(size=(8, 6)).astype("float32"), rng.normal(size=(8, 3)).astype("float32")
+    with pytest.raises(pergrad.MixesExamplesError, match="mixes examples.*Relative difference"):
+        model.fit(x, y, batch_size=8, verbose=0)
+    with pytest.raises(pergrad.MixesExamplesError):
+        model.train_on_batch(x, y)
+    for a, b in zip(inner.get_weights(), before, strict=True):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_a_batch_dependent_loss_is_refused(rng):
+    def centered(y, p):
+        per_example = keras.ops.mean(keras.ops.square(y - p), axis=-1)
+        return per_example - keras.ops.mean(per_example)
+
+    model = PerExampleModel(_mlp(), aggregate.dp_mean(1.0, 1.0))
+    model.compile(optimizer="sgd", loss=centered)
+    x, y = rng.normal(size=(8, 6)).astype("float32"), rng.normal(size=(8, 3)).astype("float32")
+    with pytest.raises(pergrad.MixesExamplesError):
+        model.fit(x, y, batch_size=8, verbose=0)
+
+
+def test_the_mixing_check_runs_once_and_can_be_turned_off(rng):
+    x, y = rng.normal(size=(8, 6)).astype("float32"), rng.normal(size=(8, 3)).astype("float32")
+    model = PerExampleModel(_mixing_model(), aggregate.clip_mean(1.0), check_example_mixing=False)
+    model.compile(optimizer="sgd", loss="mse")
+    model.fit(x, y, batch_size=8, verbose=0)  # the user has opted out
+    plain = PerExampleModel(_mlp(), aggregate.clip_mean(1.0))
+    plain.compile(optimizer="sgd", loss="mse")
+    plain.fit(x, y, batch_size=4, epochs=2, verbose=0)
+    assert bool(plain._mixing_checked.numpy())
+    unchecked = PerExampleModel(_mixing_model(), aggregate.mean())  # no bound to protect
+    unchecked.compile(optimizer="sgd", loss="mse")
+    unchecked.fit(x, y, batch_size=8, verbose=0)
+
+
+# -- mixed precision: one example cannot decide whether a DP step happens ---------------------------
+
+def _float16_dp_model(weights, clip):
+    inner = _mlp()
+    inner.set_weights(weights)
+    model = PerExampleModel(inner, aggregate.dp_mean(clip, 0.0, expected_batch_size=16))
+    model.compile(optimizer=keras.optimizers.LossScaleOptimizer(
+        keras.optimizers.SGD(0.1), initial_scale=2.0 ** 8), loss="mse")
+    return model
+
+
+def test_an_overflowing_example_is_dropped_and_the_dp_step_still_happens(rng, policy):
+    """Under a DP aggregator, the example whose loss-scaled gradient overflows float16 is dropped
+    like a NaN example: the update is the one without it (sigma = 0 makes it exact), the step is
+    not skipped and the loss scale is not lowered by that one example."""
+    policy("mixed_float16")
+    weights = _mlp().get_weights()
+    x = rng.normal(size=(16, 6)).astype("float32")
+    y = rng.normal(size=(16, 3)).astype("float32")
+    y[5] = 5000.0  # gradient ~ 2 * 5000 / 3 * 256 > 65504: inf in float16, loss finite in float32
+    model = _float16_dp_model(weights, clip=1.0)
+    history = model.fit(x, y, batch_size=16, epochs=1, verbose=0, shuffle=False)
+    assert history.history["dropped_examples"] == [1.0]
+    assert float(model.optimizer.dynamic_scale) == 2.0 ** 8
+
+    without = _float16_dp_model(weights, clip=1.0)
+    keep = np.arange(16) != 5
+    without.fit(x[keep], y[keep], batch_size=15, epochs=1, verbose=0, shuffle=False)
+    changed = False
+    for a, b, w in zip(model.model.get_weights(), without.model.get_weights(), weights,
+                       strict=True):
+        np.testing.assert_allclose(a, b, atol=2e-3)
+        changed = changed or not np.array_equal(a, w)
+    assert changed, "the DP step was skipped"
+
+
+# -- state written from the batch -----------------------------------------------------------------
+
+class RunningMean(keras.layers.Layer):
+    """A layer that keeps a running mean of its inputs in a non-trainable variable."""
+
+    def build(self, input_shape):
+        self.kernel = self.add_weight(shape=(input_shape[-1], 2), name="kernel")
+        self.running = self.add_weight(shape=(input_shape[-1],), initializer="zeros",
+                                       trainable=False, name="running")
+
+    def call(self, x, training=False):
+        if training:
+            self.running.assign(0.9 * self.running + 0.1 * keras.ops.mean(x, axis=0))
+        return keras.ops.matmul(x, self.kernel)
+
+
+def _running_mean_model(aggregator, **kwargs):
+    inner = keras.Sequential([keras.Input((4,)), RunningMean()])
+    model = PerExampleModel(inner, aggregator, **kwargs)
+    model.compile(optimizer="sgd", loss="mse")
+    return model, inner.layers[0].running
+
+
+def test_dp_refuses_a_variable_written_from_the_batch(rng):
+    x, y = rng.normal(size=(8, 4)).astype("float32"), rng.normal(size=(8, 2)).astype("float32")
+    model, _ = _running_mean_model(aggregate.dp_mean(1.0, 1.0))
+    with pytest.raises(ValueError, match=r"running.*released without noise.*allow_state_updates"):
+        model.fit(x, y, batch_size=8, verbose=0)
+
+
+@pytest.mark.parametrize("aggregator, kwargs", [
+    (aggregate.mean(), {}),
+    (aggregate.dp_mean(1.0, 1.0), {"allow_state_updates": True}),
+])
+def test_state_updates_still_apply_where_allowed(rng, aggregator, kwargs):
+    x, y = rng.normal(size=(8, 4)).astype("float32"), rng.normal(size=(8, 2)).astype("float32")
+    model, running = _running_mean_model(aggregator, **kwargs)
+    model.fit(x, y, batch_size=8, verbose=0)
+    np.testing.assert_allclose(running.numpy(), 0.1 * x.mean(axis=0), rtol=1e-5, atol=1e-7)
+
+
+def test_dropout_keeps_drawing_new_masks_under_dp(rng):
+    inner = keras.Sequential([keras.Input((6,)), keras.layers.Dense(8), keras.layers.Dropout(0.5),
+                              keras.layers.Dense(3)])
+    model = PerExampleModel(inner, aggregate.dp_mean(1.0, 1.0))
+    model.compile(optimizer="sgd", loss="mse")
+    state = inner.layers[1].seed_generator.state
+    x, y = rng.normal(size=(8, 6)).astype("float32"), rng.normal(size=(8, 3)).astype("float32")
+    before = state.numpy().copy()
+    model.fit(x, y, batch_size=4, epochs=1, verbose=0)
+    assert not np.array_equal(before, state.numpy())
+
+
+# -- the monitor on a DP model ----------------------------------------------------------------------
+
+def test_a_monitor_on_a_dp_model_warns_that_it_is_not_private():
+    with pytest.warns(UserWarning, match="not differentially private"):
+        PerExampleModel(_mlp(), aggregate.dp_mean(1.0, 1.0),
+                        monitor=pergrad.keras.GradientMonitor())
+
+
+# -- metrics do not count padding rows --------------------------------------------------------------
+
+def test_zero_weight_rows_do_not_count_in_unweighted_metrics(rng):
+    """Poisson padding rows (weight 0) used to count in ``metrics=["accuracy"]``."""
+    inner = keras.Sequential([keras.Input((6,)), keras.layers.Dense(4)])
+    x = rng.normal(size=(32, 6)).astype("float32")
+    predicted = np.argmax(inner.predict(x, verbose=0), axis=1)
+    weight = (np.arange(32) % 2).astype("float32")  # every other row is padding
+    y = np.where(weight > 0, predicted, (predicted + 1) % 4)  # padding rows always wrong
+    y[1::4] = (predicted[1::4] + 1) % 4  # half the real rows wrong too
+    model = PerExampleModel(inner, aggregate.dp_mean(1.0, 1.0, expected_batch_size=16))
+    model.compile(optimizer=keras.optimizers.SGD(0.0), loss=keras.losses.SparseCategoricalCrossentropy(
+        from_logits=True), metrics=["accuracy"])
+    history = model.fit(x, y, sample_weight=weight, batch_size=32, epochs=1, verbose=0)
+    real = weight > 0
+    assert history.history["accuracy"][0] == pytest.approx(np.mean(predicted[real] == y[real]))
+    assert history.history["accuracy"][0] == pytest.approx(0.5)
+
+
+# -- bad aggregator arguments and empty batches -----------------------------------------------------
+
+def test_numpy_scalars_are_accepted_and_non_integers_refused():
+    assert aggregate.clip_mean(np.float32(1.0)).config["l2_norm_clip"] == 1.0
+    agg = aggregate.dp_mean(np.float64(1.0), np.float32(1.1), seed=np.int64(3),
+                            expected_batch_size=np.int64(64))
+    assert agg.config["expected_batch_size"] == 64 and agg.config["seed"] == 3
+    assert aggregate.trimmed_mean(np.float32(0.25)).config["fraction"] == 0.25
+    with pytest.raises(ValueError, match="expected_batch_size must be an integer"):
+        aggregate.dp_mean(1.0, 1.0, expected_batch_size=2.5)
+    with pytest.raises(ValueError, match="l2_norm_clip"):
+        aggregate.clip_mean(True)
+
+
+def _empty_partial(gathers: bool) -> aggregate.Partial:
+    values = [tf.zeros((0, 3))] if gathers else [tf.zeros((3,))]
+    include = tf.zeros((0,)) if gathers else None
+    return aggregate.Partial(values, tf.constant(0.0), include, tf.constant(0.0))
+
+
+@pytest.mark.parametrize("make", [aggregate.mean, lambda: aggregate.clip_mean(1.0),
+                                  lambda: aggregate.dp_mean(1.0, 1.0), aggregate.median,
+                                  lambda: aggregate.trimmed_mean(0.1)])
+def test_an_empty_batch_is_an_error_not_a_number(make):
+    agg = make()
+    key = tf.constant([1, 2], tf.int64)
+    with pytest.raises(ValueError, match="empty batch"):
+        agg.finalize(_empty_partial(agg.gathers), key)
+
+    @tf.function(input_signature=[tf.TensorSpec([], tf.float32)])
+    def dynamic(rows):
+        partial = _empty_partial(agg.gathers)._replace(rows=rows)
+        return agg.finalize(partial, key)
+
+    with pytest.raises(tf.errors.InvalidArgumentError, match="empty batch"):
+        dynamic(tf.constant(0.0))
+
+
+def test_dp_mean_with_expected_batch_size_is_defined_on_an_empty_batch():
+    """Sum over no examples (0) plus noise, divided by the expected size: a valid DP release."""
+    agg = aggregate.dp_mean(2.0, 1.5, expected_batch_size=10)
+    update = agg.finalize(_empty_partial(False)._replace(values=[tf.zeros((20000,))]),
+                          tf.constant([4, 0], tf.int64))[0].numpy()
+    assert np.std(update) == pytest.approx(2.0 * 1.5 / 10, rel=0.03)
