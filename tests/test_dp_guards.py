@@ -239,3 +239,13 @@ def test_dp_mean_with_expected_batch_size_is_defined_on_an_empty_batch():
     update = agg.finalize(_empty_partial(False)._replace(values=[tf.zeros((20000,))]),
                           tf.constant([4, 0], tf.int64))[0].numpy()
     assert np.std(update) == pytest.approx(2.0 * 1.5 / 10, rel=0.03)
+
+
+def test_aggregators_called_on_an_empty_engine_result():
+    model = keras.Sequential([keras.Input((5,)), keras.layers.Dense(3)])
+    result = pergrad.PerExample(model, "mse").compute(tf.zeros((0, 5)), tf.zeros((0, 3)))
+    for agg in (aggregate.mean(), aggregate.dp_mean(1.0, 1.0), aggregate.median()):
+        with pytest.raises(ValueError, match="empty batch"):
+            agg(result)
+    update = aggregate.dp_mean(1.0, 1.0, expected_batch_size=4)(result)
+    assert all(np.isfinite(u.numpy()).all() and np.std(u.numpy()) > 0 for u in update)

@@ -3,17 +3,29 @@
 from __future__ import annotations
 
 import argparse
+import logging
 import math
 
+import dp_accounting
 import keras
 import numpy as np
 import pytest
 import tensorflow as tf
+from dp_accounting.rdp import RdpAccountant
 from scipy import optimize, stats
 
+import pergrad
 from pergrad.cli.privacy import add_parser, run
 from pergrad.keras.privacy_callback import PrivacyCallback
-from pergrad.privacy import epsilon, epsilon_for_steps, noise_multiplier_for, poisson_batches
+from pergrad.privacy import (
+    dp_sgd_steps,
+    epsilon,
+    epsilon_for_steps,
+    max_steps_for,
+    noise_multiplier_for,
+    poisson_batches,
+)
+from pergrad.privacy.accounting import MAX_STEPS_SEARCHED, _quiet_accountant
 from pergrad.privacy.sampling import default_max_batch_size
 
 MNIST = dict(num_examples=60000, batch_size=150, epochs=15, delta=1e-5)
@@ -31,6 +43,18 @@ def exact_gaussian_epsilon(sigma: float, delta: float) -> float:
         return a - b - delta
 
     return optimize.brentq(gap, 0.0, 100.0, xtol=1e-12)
+
+
+def dp_sgd_event(q: float, sigma: float, steps: int) -> dp_accounting.DpEvent:
+    """The DP-SGD event, built here independently of pergrad."""
+    sampled = dp_accounting.PoissonSampledDpEvent(q, dp_accounting.GaussianDpEvent(sigma))
+    return dp_accounting.SelfComposedDpEvent(sampled, steps)
+
+
+def rdp_epsilon(q: float, sigma: float, steps: int, delta: float) -> float:
+    """Epsilon from a fresh ``dp_accounting`` RDP accountant, without going through pergrad."""
+    accountant = RdpAccountant()
+    return accountant.compose(dp_sgd_event(q, sigma, steps)).get_epsilon(delta)
 
 
 # --------------------------------------------------------------------------- accounting
@@ -62,10 +86,44 @@ def test_full_batch_gaussian_matches_closed_form(sigma, steps):
 
 
 def test_step_count_convention():
-    # steps = ceil(epochs * N / B): 0.5 * 1000 / 300 = 1.67 -> 2 steps; 3 epochs -> 10 steps.
+    # steps = floor(E) * ceil(N / B) + ceil(frac(E) * N / B).
+    # 0.5 epochs of 1000 at 300: ceil(166.7 / 100) = 2 steps; 3 epochs: 3 * ceil(3.33) = 12 steps.
+    assert dp_sgd_steps(1000, 300, 0.5) == 2
+    assert dp_sgd_steps(1000, 300, 3) == 12
     assert epsilon(1000, 300, 1.1, 0.5, 1e-5) == epsilon_for_steps(0.3, 1.1, 2, 1e-5)
-    assert epsilon(1000, 300, 1.1, 3, 1e-5) == epsilon_for_steps(0.3, 1.1, 10, 1e-5)
-    assert epsilon(1000, 300, 1.1, 3, 1e-5) != epsilon_for_steps(0.3, 1.1, 9, 1e-5)
+    assert epsilon(1000, 300, 1.1, 3, 1e-5) == epsilon_for_steps(0.3, 1.1, 12, 1e-5)
+    assert epsilon(1000, 300, 1.1, 3, 1e-5) != epsilon_for_steps(0.3, 1.1, 10, 1e-5)
+
+
+@pytest.mark.parametrize(
+    "n, b, epochs, steps",
+    [
+        (1797, 64, 5, 145),  # 5 * 29, where ceil(5 * 1797 / 64) would be 141
+        (1797, 64, 2.5, 73),  # 2 * 29 + ceil(0.5 * 1797 / 64) = 58 + 15
+        (1797, 64, 0.5, 15),
+        (60000, 150, 15, 6000),
+        (30, 1, 0.1, 3),  # 0.1 is read as one tenth, not the float just above it
+        (100, 7, 1e-9, 1),  # any positive fraction of an epoch is at least one step
+        (10, 10, 3, 3),
+    ],
+)
+def test_dp_sgd_steps_values(n, b, epochs, steps):
+    assert dp_sgd_steps(n, b, epochs) == steps
+    expected = rdp_epsilon(b / n, 1.1, steps, 1e-5)
+    assert epsilon(n, b, 1.1, epochs, 1e-5) == pytest.approx(expected, rel=1e-12)
+
+
+@pytest.mark.parametrize("n, b", [(60000, 150), (1000, 50), (64, 32), (12, 3)])
+@pytest.mark.parametrize("epochs", [1, 2, 7, 0.5, 2.25])
+def test_dp_sgd_steps_is_tf_privacy_when_batch_divides(n, b, epochs):
+    assert dp_sgd_steps(n, b, epochs) == math.ceil(epochs * n / b)
+
+
+def test_epsilon_counts_whole_epochs_of_batches():
+    # 5 epochs of 1797 examples at batch 64 are 5 * ceil(1797 / 64) = 145 steps, as many as
+    # poisson_batches yields and PrivacyCallback counts, not TF Privacy's ceil(5 * 1797 / 64) = 141.
+    assert epsilon(1797, 64, 1.1, 5, 1e-5) == pytest.approx(rdp_epsilon(64 / 1797, 1.1, 145, 1e-5))
+    assert epsilon(1797, 64, 1.1, 5, 1e-5) > rdp_epsilon(64 / 1797, 1.1, 141, 1e-5)
 
 
 @pytest.mark.parametrize("accountant", ["rdp", "pld"])
@@ -331,7 +389,7 @@ def test_cli_epsilon(capsys):
     assert _cli([*BASE, "--noise-multiplier", "1.3"]) == 0
     out = capsys.readouterr().out
     assert out.splitlines()[0] == "epsilon: 0.724223"
-    assert "steps = ceil(15 * 60000 / 150) = 6000" in out
+    assert "steps = 15 * ceil(60000 / 150) = 6000" in out
     assert _cli([*BASE, "--noise-multiplier", "1.3", "--accountant", "pld"]) == 0
     assert capsys.readouterr().out.startswith("epsilon: 0.640")
     assert _cli([*BASE, "--noise-multiplier", "0"]) == 0
@@ -387,3 +445,330 @@ def test_cli_help_documents_every_option(capsys):
         "--accountant",
     ]:
         assert option in text
+
+
+@pytest.mark.parametrize(
+    "epochs, formula",
+    [
+        ("5", "steps = 5 * ceil(1797 / 64) = 145"),
+        ("2.5", "steps = 2 * ceil(1797 / 64) + ceil(0.5 * 1797 / 64) = 73"),
+        ("0.5", "steps = ceil(0.5 * 1797 / 64) = 15"),
+    ],
+)
+def test_cli_prints_the_step_count_behind_epsilon(epochs, formula, capsys):
+    argv = ["--num-examples", "1797", "--batch-size", "64", "--epochs", epochs, "--delta", "1e-5"]
+    assert _cli([*argv, "--noise-multiplier", "1.1"]) == 0
+    out = capsys.readouterr().out
+    assert formula in out
+    steps = int(formula.rsplit("= ", 1)[1])
+    assert out.splitlines()[0] == f"epsilon: {rdp_epsilon(64 / 1797, 1.1, steps, 1e-5):.6g}"
+
+
+# --------------------------------------------------------------------------- one step count
+
+
+@pytest.mark.parametrize(
+    "n, b, epochs",
+    [(1797, 64, 5), (1797, 64, 2.5), (1797, 64, 0.3), (100, 7, 3), (100, 7, 1.75), (50, 50, 2)],
+)
+def test_poisson_batches_yields_dp_sgd_steps_batches(n, b, epochs):
+    x = np.zeros((n, 1), "float32")
+    ds = poisson_batches(x, batch_size=b, seed=0, epochs=epochs)
+    assert int(ds.cardinality()) == dp_sgd_steps(n, b, epochs)
+    assert sum(1 for _ in ds) == dp_sgd_steps(n, b, epochs)
+
+
+def _regression_data(n: int, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
+    rng = np.random.default_rng(seed)
+    return rng.normal(size=(n, 3)).astype("float32"), rng.normal(size=(n, 1)).astype("float32")
+
+
+def test_callback_after_fit_equals_epsilon_for_whole_epochs():
+    # The issue's example: 5 epochs over poisson_batches(batch_size=64) on N = 1797.
+    n, b, sigma, delta = 1797, 64, 1.1, 1e-5
+    x, y = _regression_data(n)
+    cb = PrivacyCallback(n, b, sigma, delta)
+    model = _tiny_model()
+    model.fit(poisson_batches(x, y, batch_size=b, seed=0), epochs=5, callbacks=[cb], verbose=0, shuffle=False)
+    assert cb.steps == int(model.optimizer.iterations) == dp_sgd_steps(n, b, 5) == 145
+    assert cb.epsilon == epsilon(n, b, sigma, 5, delta)
+    assert cb.epsilon == pytest.approx(rdp_epsilon(b / n, sigma, 145, delta), rel=1e-12)
+
+
+def test_callback_after_dp_fit_equals_epsilon_for_fractional_epochs():
+    n, b, sigma, delta, epochs = 300, 32, 1.1, 1e-5, 2.5
+    x, y = _regression_data(n)
+    keras.utils.set_random_seed(0)
+    inner = keras.Sequential([keras.Input((3,)), keras.layers.Dense(1)])
+    model = pergrad.keras.PerExampleModel(
+        inner, aggregator=pergrad.aggregate.dp_mean(1.0, sigma, expected_batch_size=b, seed=0)
+    )
+    model.compile(optimizer="sgd", loss="mse")
+    cb = PrivacyCallback(n, b, sigma, delta)
+    ds = poisson_batches(x, y, batch_size=b, seed=0, epochs=epochs)
+    model.fit(ds, epochs=1, callbacks=[cb], verbose=0, shuffle=False)
+    steps = 2 * math.ceil(300 / 32) + math.ceil(0.5 * 300 / 32)  # 20 + 5
+    assert cb.steps == dp_sgd_steps(n, b, epochs) == steps == 25
+    assert cb.epsilon == epsilon(n, b, sigma, epochs, delta)
+    assert cb.epsilon == pytest.approx(rdp_epsilon(b / n, sigma, steps, delta), rel=1e-12)
+
+
+# --------------------------------------------------------------------------- accountant warnings
+
+README_DP = dict(num_examples=64, batch_size=32, noise_multiplier=1.1, epochs=1, delta=1e-5)
+
+
+def _not_converged(records: list[logging.LogRecord]) -> list[logging.LogRecord]:
+    return [r for r in records if "failed to converge" in r.getMessage()]
+
+
+def test_readme_example_does_not_spam_accountant_warnings(caplog, capfd):
+    # Control: dp_accounting itself warns for this event (q = 0.5, sigma = 1.1, orders 1.1-1.8) ...
+    with caplog.at_level(logging.WARNING):
+        expected = rdp_epsilon(0.5, 1.1, 2, 1e-5)
+    assert _not_converged(caplog.records)
+    caplog.clear()
+    capfd.readouterr()
+    # ... pergrad does not, neither for epsilon nor for calibration, and returns the same number.
+    with caplog.at_level(logging.WARNING):
+        eps = epsilon(**README_DP)
+        sigma = noise_multiplier_for(8.0, 64, 32, 1, 1e-5)
+    assert not _not_converged(caplog.records)
+    captured = capfd.readouterr()
+    assert "failed to converge" not in captured.err + captured.out
+    assert eps == expected
+    assert epsilon(64, 32, sigma, 1, 1e-5) <= 8.0
+    # The silencing is scoped to pergrad's calls: dp_accounting warns again afterwards.
+    with caplog.at_level(logging.WARNING):
+        rdp_epsilon(0.5, 1.1, 2, 1e-5)
+    assert _not_converged(caplog.records)
+
+
+def test_skipped_orders_do_not_change_epsilon():
+    # The orders that fail to converge (alpha < 2 here) are skipped as infinite; they are never
+    # the minimizer, so restricting the accountant to orders >= 2 gives the same epsilon.
+    full = RdpAccountant()
+    converging = RdpAccountant([a for a in full._orders if a >= 2])
+    event = dp_sgd_event(0.5, 1.1, 2)
+    eps, order = full.compose(event).get_epsilon_and_optimal_order(1e-5)
+    assert order >= 2
+    assert converging.compose(event).get_epsilon(1e-5) == eps == epsilon(**README_DP)
+
+
+def test_quiet_accountant_lets_other_warnings_through(caplog):
+    absl_logger = logging.getLogger("absl")
+    with caplog.at_level(logging.WARNING), _quiet_accountant():
+        absl_logger.warning("_compute_log_a_frac failed to converge after %d iterations", 1000)
+        absl_logger.warning("Negative Renyi divergence of %s", -1.0)
+        logging.getLogger("other").warning("_compute_log_a_frac failed to converge")
+    messages = [r.getMessage() for r in caplog.records]
+    assert "Negative Renyi divergence of -1.0" in messages
+    assert "_compute_log_a_frac failed to converge" in messages  # not from absl: kept
+    assert len(_not_converged(caplog.records)) == 1
+
+
+# --------------------------------------------------------------------------- budget
+
+
+def test_max_steps_for_is_exact():
+    q, sigma, delta = 64 / 1797, 1.1, 1e-5
+    for target in (1.5, 2.0, 3.0):
+        steps = max_steps_for(target, q, sigma, delta)
+        assert rdp_epsilon(q, sigma, steps, delta) <= target < rdp_epsilon(q, sigma, steps + 1, delta)
+    assert max_steps_for(1.0, q, sigma, delta) == 0  # one step already spends 1.15
+    assert max_steps_for(1.0, q, 0.0, delta) == 0
+    assert max_steps_for(1.0, 0.001, 1e4, delta) == MAX_STEPS_SEARCHED
+    pld = max_steps_for(2.0, q, sigma, delta, accountant="pld")
+    assert pld > max_steps_for(2.0, q, sigma, delta)  # the tighter accountant allows more
+    assert epsilon_for_steps(q, sigma, pld, delta, "pld") <= 2.0
+    assert epsilon_for_steps(q, sigma, pld + 1, delta, "pld") > 2.0
+
+
+def test_budget_first_calibration_route():
+    # Budget first: pick (epsilon, delta), calibrate sigma for the planned run, train with it.
+    n, b, epochs, delta, target = 1797, 64, 5, 1e-5, 3.0
+    sigma = noise_multiplier_for(target, n, b, epochs, delta)
+    steps = dp_sgd_steps(n, b, epochs)
+    assert rdp_epsilon(b / n, sigma, steps, delta) <= target
+    assert rdp_epsilon(b / n, sigma - 1e-4, steps, delta) > target
+    # A callback with that budget allows exactly the planned steps, or a few more when rounding
+    # sigma up leaves slack, never fewer.
+    cb = PrivacyCallback(n, b, sigma, delta, target_epsilon=target)
+    assert cb.max_steps >= steps
+
+
+def _budget_setting(allowed: int) -> tuple[int, int, float, float, float]:
+    """(N, B, sigma, delta, target) whose budget allows exactly ``allowed`` steps."""
+    n, b, sigma, delta = 128, 8, 1.5, 1e-5
+    below, above = (rdp_epsilon(b / n, sigma, s, delta) for s in (allowed, allowed + 1))
+    return n, b, sigma, delta, (below + above) / 2
+
+
+@pytest.mark.parametrize("allowed", [7, 20])  # mid first epoch; mid second epoch (16 per epoch)
+def test_budget_stops_training_after_exactly_the_allowed_steps(allowed, capsys):
+    n, b, sigma, delta, target = _budget_setting(allowed)
+    x, y = _regression_data(n)
+    cb = PrivacyCallback(n, b, sigma, delta, target_epsilon=target)
+    assert cb.max_steps == allowed and not cb.budget_exhausted
+    model = _tiny_model()
+    ds = poisson_batches(x, y, batch_size=b, seed=0)
+    history = model.fit(ds, epochs=50, callbacks=[cb], verbose=0, shuffle=False)
+    assert cb.steps == int(model.optimizer.iterations) == allowed
+    assert cb.budget_exhausted
+    assert cb.epsilon == pytest.approx(rdp_epsilon(b / n, sigma, allowed, delta), rel=1e-12)
+    assert cb.epsilon <= target
+    assert history.history["epsilon"][-1] == cb.epsilon
+    assert len(history.history["epsilon"]) == math.ceil(allowed / 16)
+    lines = [line for line in capsys.readouterr().out.splitlines() if "privacy budget" in line]
+    assert lines == [
+        f"privacy budget reached: epsilon={cb.epsilon:.8g} after {allowed} steps "
+        f"(target_epsilon={target:g}); training stopped"
+    ]
+    with pytest.raises(RuntimeError, match="privacy budget spent"):
+        model.fit(ds, epochs=1, callbacks=[cb], verbose=0, shuffle=False)
+    assert int(model.optimizer.iterations) == allowed  # the refused fit ran no step
+
+
+def test_budget_spans_fit_calls():
+    n, b, sigma, delta, target = _budget_setting(7)
+    x, y = _regression_data(n)
+    cb = PrivacyCallback(n, b, sigma, delta, target_epsilon=target, verbose=0)
+    model = _tiny_model()
+    ds = poisson_batches(x, y, batch_size=b, seed=0).repeat()
+    model.fit(ds, epochs=1, steps_per_epoch=5, callbacks=[cb], verbose=0, shuffle=False)
+    assert cb.steps == 5 and not cb.budget_exhausted and not model.stop_training
+    model.fit(ds, epochs=3, steps_per_epoch=5, callbacks=[cb], verbose=0, shuffle=False)
+    assert cb.steps == int(model.optimizer.iterations) == 7 and cb.budget_exhausted
+    with pytest.raises(RuntimeError, match="budget"):
+        model.fit(ds, epochs=1, steps_per_epoch=5, callbacks=[cb], verbose=0, shuffle=False)
+
+
+def test_budget_refuses_a_step_when_stop_training_is_cleared():
+    n, b, sigma, delta, target = _budget_setting(3)
+    x, y = _regression_data(n)
+
+    class Restart(keras.callbacks.Callback):
+        def on_train_batch_end(self, batch, logs=None):
+            self.model.stop_training = False  # a misbehaving callback after ours
+
+    cb = PrivacyCallback(n, b, sigma, delta, target_epsilon=target, verbose=0)
+    model = _tiny_model()
+    with pytest.raises(RuntimeError, match="privacy budget spent"):
+        model.fit(poisson_batches(x, y, batch_size=b, seed=0), epochs=2, callbacks=[cb, Restart()],
+                  verbose=0, shuffle=False)
+    assert cb.steps == int(model.optimizer.iterations) == 3
+
+
+def test_budget_too_small_for_one_step():
+    x, y = _regression_data(128)
+    cb = PrivacyCallback(128, 8, 0.5, 1e-5, target_epsilon=0.01)
+    assert cb.max_steps == 0
+    model = _tiny_model()
+    with pytest.raises(RuntimeError, match="a single step spends"):
+        model.fit(poisson_batches(x, y, batch_size=8, seed=0), callbacks=[cb], verbose=0, shuffle=False)
+    assert int(model.optimizer.iterations) == 0
+
+
+def test_budget_refuses_steps_per_execution():
+    n, b, sigma, delta, target = _budget_setting(7)
+    x, y = _regression_data(n)
+    cb = PrivacyCallback(n, b, sigma, delta, target_epsilon=target)
+    model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(1)])
+    model.compile(optimizer="sgd", loss="mse", steps_per_execution=4)
+    with pytest.raises(ValueError, match="steps_per_execution"):
+        model.fit(poisson_batches(x, y, batch_size=b, seed=0), callbacks=[cb], verbose=0, shuffle=False)
+    assert int(model.optimizer.iterations) == 0
+
+
+def test_callback_without_budget_never_stops():
+    x, y = _regression_data(128)
+    cb = PrivacyCallback(128, 8, 1.5, 1e-5)
+    _tiny_model().fit(poisson_batches(x, y, batch_size=8, seed=0), epochs=2, callbacks=[cb],
+                      verbose=0, shuffle=False)
+    assert cb.max_steps is None and not cb.budget_exhausted and cb.steps == 32
+
+
+# --------------------------------------------------------------------------- input types
+
+
+def test_numpy_scalars_accepted():
+    reference = epsilon(1797, 64, float(np.float32(1.1)), 5, 1e-5)
+    assert epsilon(np.int64(1797), np.int64(64), np.float32(1.1), 5, 1e-5) == reference
+    assert epsilon(np.int32(1797), np.uint16(64), np.float32(1.1), np.int8(5), np.float64(1e-5)) \
+        == reference
+    assert epsilon(1797.0, 64.0, np.float32(1.1), np.float16(5), 1e-5) == reference
+    assert dp_sgd_steps(np.int64(1797), np.int64(64), np.float64(2.5)) == 73
+    assert epsilon_for_steps(np.float64(0.5), np.float32(2), np.int64(3), np.float32(1e-5)) \
+        == epsilon_for_steps(0.5, 2.0, 3, float(np.float32(1e-5)))
+    assert noise_multiplier_for(np.float32(2.0), np.int64(1000), np.int64(50), np.int64(2), 1e-5) \
+        == noise_multiplier_for(2.0, 1000, 50, 2, 1e-5)
+    assert max_steps_for(np.float64(2.0), np.float32(0.25), np.int64(2), 1e-5) \
+        == max_steps_for(2.0, float(np.float32(0.25)), 2.0, 1e-5)
+    ds = poisson_batches(np.zeros((40, 2), "float32"), batch_size=np.int64(8),
+                         num_examples=np.int64(40), epochs=np.float64(1.5), seed=0,
+                         max_batch_size=np.int32(30))
+    assert int(ds.cardinality()) == 8
+    cb = PrivacyCallback(np.int64(128), np.int64(8), np.float32(1.5), np.float64(1e-5),
+                         target_epsilon=np.float32(2.0))
+    assert cb.max_steps == max_steps_for(2.0, 8 / 128, float(np.float32(1.5)), 1e-5)
+
+
+ARGS = dict(num_examples=1797, batch_size=64, noise_multiplier=1.1, epochs=5, delta=1e-5)
+
+
+@pytest.mark.parametrize("name", sorted(ARGS))
+@pytest.mark.parametrize("bad", [True, np.bool_(False), "5", None, np.array([1.0]), 1 + 2j])
+def test_non_numbers_and_bools_refused(name, bad):
+    with pytest.raises(TypeError, match=name):
+        epsilon(**{**ARGS, name: bad})
+
+
+@pytest.mark.parametrize("name", ["num_examples", "batch_size", "noise_multiplier", "delta"])
+def test_callback_refuses_bools(name):
+    args = {k: v for k, v in ARGS.items() if k != "epochs"}
+    with pytest.raises(TypeError, match=name):
+        PrivacyCallback(**{**args, name: True})
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        (dict(batch_size=2.5), "batch_size must be a positive integer"),
+        (dict(num_examples=-3), "num_examples must be a positive integer"),
+        (dict(epochs=float("nan")), "epochs"),
+        (dict(epochs=float("inf")), "epochs"),
+        (dict(epochs=-1), "epochs"),
+        (dict(noise_multiplier=float("nan")), "noise_multiplier"),
+        (dict(noise_multiplier=float("inf")), "noise_multiplier"),
+        (dict(delta=float("nan")), "delta"),
+    ],
+)
+def test_bad_values_have_clear_errors(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        epsilon(**{**ARGS, **kwargs})
+
+
+def test_other_bad_inputs():
+    with pytest.raises(TypeError, match="steps"):
+        epsilon_for_steps(0.1, 1.0, True, 1e-5)
+    with pytest.raises(ValueError, match="steps"):
+        epsilon_for_steps(0.1, 1.0, 2.5, 1e-5)
+    with pytest.raises(TypeError, match="sampling_probability"):
+        epsilon_for_steps(False, 1.0, 1, 1e-5)
+    with pytest.raises(TypeError, match="target_epsilon"):
+        noise_multiplier_for(True, 1000, 50, 1, 1e-5)
+    with pytest.raises(TypeError, match="target_epsilon"):
+        PrivacyCallback(1000, 50, 1.0, 1e-5, target_epsilon="1")
+    with pytest.raises(ValueError, match="target_epsilon"):
+        PrivacyCallback(1000, 50, 1.0, 1e-5, target_epsilon=-1.0)
+    with pytest.raises(ValueError, match="target_epsilon"):
+        max_steps_for(float("inf"), 0.1, 1.0, 1e-5)
+    x = np.zeros((10, 2), "float32")
+    with pytest.raises(TypeError, match="poisson_batches: batch_size"):
+        poisson_batches(x, batch_size=True)
+    with pytest.raises(TypeError, match="poisson_batches: epochs"):
+        poisson_batches(x, batch_size=2, epochs=True)
+    with pytest.raises(ValueError, match="poisson_batches: epochs"):
+        poisson_batches(x, batch_size=2, epochs=0)
+    with pytest.raises(ValueError, match="poisson_batches: max_batch_size"):
+        poisson_batches(x, batch_size=2, max_batch_size=0)

@@ -7,12 +7,14 @@ import math
 import sys
 
 _DESCRIPTION = """\
-Privacy accounting for DP-SGD with Poisson sampling (sampling rate q = batch_size / num_examples,
-steps = ceil(epochs * num_examples / batch_size), Gaussian noise of std noise_multiplier * clip
-norm per step). With --noise-multiplier, prints the epsilon spent at --delta. With
---target-epsilon, prints the smallest noise multiplier whose epsilon does not exceed the target.
-The guarantee assumes Poisson-sampled batches (pergrad.privacy.poisson_batches); for shuffled
-fixed-size batches the number is the customary heuristic.
+Privacy accounting for DP-SGD with Poisson sampling: sampling rate q = batch_size / num_examples,
+steps = floor(epochs) * ceil(num_examples / batch_size) + ceil(frac(epochs) * num_examples /
+batch_size) (the batches pergrad.privacy.poisson_batches yields), Gaussian noise of std
+noise_multiplier * clip norm per step. With --noise-multiplier, prints the epsilon spent at
+--delta. With --target-epsilon, prints the smallest noise multiplier whose epsilon does not
+exceed the target. The guarantee assumes Poisson-sampled batches
+(pergrad.privacy.poisson_batches); for shuffled fixed-size batches the number is the customary
+heuristic.
 """
 
 _EXAMPLES = """\
@@ -88,7 +90,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         type=_positive_float,
         required=True,
         metavar="E",
-        help="passes over the data (may be fractional); steps = ceil(E * N / B)",
+        help="passes over the data (may be fractional); steps = floor(E) * ceil(N / B) + "
+        "ceil(frac(E) * N / B)",
     )
     parser.add_argument(
         "--delta",
@@ -130,6 +133,15 @@ def _fail(args: argparse.Namespace, message: str) -> int:
     return 2
 
 
+def _steps_formula(n: int, b: int, e: float) -> str:
+    """``floor(E) * ceil(N / B) + ceil(frac(E) * N / B)`` written out, omitting zero terms."""
+    whole = math.floor(e)
+    terms = [f"{whole} * ceil({n} / {b})"] if whole else []
+    if e != whole:
+        terms.append(f"ceil({e - whole:g} * {n} / {b})")
+    return " + ".join(terms)
+
+
 def run(args: argparse.Namespace) -> int:
     """Print the epsilon (or the calibrated noise multiplier) for ``args``; return the exit code."""
     from pergrad.privacy.accounting import dp_sgd_steps, epsilon, noise_multiplier_for
@@ -139,10 +151,9 @@ def run(args: argparse.Namespace) -> int:
         return _fail(args, f"--batch-size ({b}) must not exceed --num-examples ({n})")
     if (args.noise_multiplier is None) == (args.target_epsilon is None):
         return _fail(args, "give exactly one of --noise-multiplier and --target-epsilon")
-    steps = dp_sgd_steps(n, b, e)
     setting = (
         f"{args.accountant} accountant, q = {b}/{n} = {b / n:.6g}, "
-        f"steps = ceil({e:g} * {n} / {b}) = {steps}, delta = {delta:g}"
+        f"steps = {_steps_formula(n, b, e)} = {dp_sgd_steps(n, b, e)}, delta = {delta:g}"
     )
     if args.target_epsilon is None:
         eps = epsilon(n, b, args.noise_multiplier, e, delta, args.accountant)

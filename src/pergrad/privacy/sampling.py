@@ -16,6 +16,8 @@ import numpy as np
 import tensorflow as tf
 from scipy import stats
 
+from pergrad.privacy.accounting import _as_epochs, _as_int, dp_sgd_steps
+
 # Probability that *any* batch of one pass over the returned dataset overflows the default
 # padded size. Spread over the steps with a union bound: per step it is this / steps.
 _DEFAULT_OVERFLOW_PROBABILITY = 1e-6
@@ -71,9 +73,15 @@ def poisson_batches(
     At every step each of the ``N`` examples is included independently with probability ``q =
     batch_size / N``, so the number of real examples in a batch is ``Binomial(N, q)`` with mean
     ``batch_size``. This is the sampling under which :func:`pergrad.privacy.epsilon` (and every
-    DP-SGD accountant) proves amplification by sampling. One pass over the dataset yields
-    ``steps = ceil(epochs * N / batch_size)`` batches (``ceil(N / batch_size)`` per epoch), the
-    step count :func:`pergrad.privacy.epsilon` charges for.
+    DP-SGD accountant) proves amplification by sampling. One pass over the dataset yields exactly
+
+        steps = dp_sgd_steps(N, batch_size, epochs)
+              = floor(epochs) * ceil(N / batch_size) + ceil(frac(epochs) * N / batch_size)
+
+    batches (``ceil(N / batch_size)`` per whole epoch), the step count
+    :func:`pergrad.privacy.epsilon` charges for. So ``fit(poisson_batches(..., epochs=E))`` and
+    ``fit(poisson_batches(...), epochs=E)`` (whole ``E``) both run the steps ``epsilon(N, B,
+    sigma, E, delta)`` accounts for, and :class:`pergrad.keras.PrivacyCallback` agrees with it.
 
     Every batch is padded to ``max_batch_size`` rows so shapes never change and a compiled train
     step is traced once. Padding rows are all-zero inputs and targets with ``sample_weight`` 0,
@@ -114,8 +122,9 @@ def poisson_batches(
       sample_weight: optional per-example weights, shape ``(N,)``; real rows carry these weights,
         padding rows 0. Default: 1 for real rows.
       seed: integer seed; ``None`` for nondeterministic sampling.
-      epochs: passes per iteration of the dataset (may be fractional). Keep ``1`` with
-        ``fit(epochs=E)``, which re-iterates the dataset each epoch.
+      epochs: passes per iteration of the dataset (may be fractional; a fractional last pass is
+        ``ceil(frac(epochs) * N / batch_size)`` steps). Keep ``1`` with ``fit(epochs=E)``, which
+        re-iterates the dataset each epoch.
       max_batch_size: static padded batch size; default :func:`default_max_batch_size`.
       with_indices: also yield an ``int64`` tensor of shape ``(max_batch_size,)`` holding each
         row's example index into ``x`` (``-1`` for padding), for per-example statistics. Elements
@@ -127,12 +136,10 @@ def poisson_batches(
       ``with_indices=True``), each with leading dimension ``max_batch_size``; ``y_batch`` is
       ``None`` when ``y`` is. Its cardinality is ``steps``.
     """
-    if isinstance(batch_size, bool) or int(batch_size) != batch_size or batch_size < 1:
-        raise ValueError(
-            f"poisson_batches: batch_size must be a positive integer; got {batch_size}."
-        )
-    if not (epochs > 0 and math.isfinite(epochs)):
-        raise ValueError(f"poisson_batches: epochs must be positive and finite; got {epochs}.")
+    batch_size = _as_int(batch_size, "poisson_batches: batch_size", 1)
+    _as_epochs(epochs, "poisson_batches: epochs")
+    if num_examples is not None:
+        num_examples = _as_int(num_examples, "poisson_batches: num_examples", 1)
     if x is None:
         raise ValueError("poisson_batches: x must not be None.")
 
@@ -172,14 +179,10 @@ def poisson_batches(
 
     q = batch_size / n
     steps_per_epoch = math.ceil(n / batch_size)
-    steps = int(math.ceil(epochs * n / batch_size))
+    steps = dp_sgd_steps(n, batch_size, epochs)
     if max_batch_size is None:
         max_batch_size = default_max_batch_size(n, q, steps)
-    elif int(max_batch_size) != max_batch_size or max_batch_size < 1:
-        raise ValueError(
-            f"poisson_batches: max_batch_size must be a positive integer; got {max_batch_size}."
-        )
-    m = int(max_batch_size)
+    m = _as_int(max_batch_size, "poisson_batches: max_batch_size", 1)
     overflow_message = (
         f"poisson_batches: a Poisson batch sampled more than max_batch_size={m} examples "
         f"(N={n}, q={q:.6g}, expected {batch_size}, {steps_per_epoch} steps per epoch). "
