@@ -14,6 +14,7 @@ from hypothesis import strategies as st
 from oracle import assert_close, keras_loss, loop_gradients
 
 import pergrad
+import pergrad.engine
 import pergrad.rules
 
 L = keras.layers
@@ -372,3 +373,264 @@ def test_check_finds_a_weight_used_outside_its_layer(float64):
     pergrad.PerExample(tied, zoo.SCCE, strategy="vmap").check(ids, y)
     case = zoo.transformer()
     pergrad.PerExample(case.model, case.loss).check(case.x, case.y)
+
+
+# -- example mixing ---------------------------------------------------------------------------------
+
+def _center(h):
+    """Subtracts the batch mean: every example's output depends on the whole batch."""
+    return h - keras.ops.mean(h, 0, keepdims=True)
+
+
+def _centering_model():
+    inputs = keras.Input((4,))
+    h = L.Lambda(_center)(L.Dense(3, activation="tanh")(inputs))
+    return keras.Model(inputs, L.Dense(2)(h))
+
+
+def _batch_dependent_loss(y, p):
+    """Each example's squared error minus the batch's mean squared error."""
+    return keras.ops.mean((y - p) ** 2, -1) - keras.ops.mean((y - p) ** 2)
+
+
+_MIXING_MESSAGE = (r"Example \d's loss differs by .* when computed alone: a layer or the loss "
+                   r"mixes examples of a batch .*DP guarantees would be wrong")
+
+
+def test_check_refuses_a_layer_that_mixes_examples(float64):
+    model = _centering_model()
+    rng = np.random.default_rng(8)
+    x, y = rng.normal(size=(6, 4)), rng.normal(size=(6, 2))
+    auto = pergrad.PerExample(model, "mse").norms(x, y)
+    loop = pergrad.PerExample(model, "mse", strategy="loop").norms(x, y)
+    assert np.max(np.abs(auto.numpy() / loop.numpy() - 1)) > 0.1  # what the check prevents
+    with pytest.raises(pergrad.MixesExamplesError, match=_MIXING_MESSAGE):
+        pergrad.PerExample(model, "mse").check(x, y)
+
+
+def test_check_refuses_a_loss_that_mixes_examples(float64):
+    model = keras.Sequential([keras.Input((4,)), L.Dense(2)])
+    rng = np.random.default_rng(9)
+    x, y = rng.normal(size=(6, 4)), rng.normal(size=(6, 2))
+    pex = pergrad.PerExample(model, _batch_dependent_loss)
+    assert float(pex.example_mixing(x, y)) > 0.1
+    with pytest.raises(pergrad.MixesExamplesError, match=_MIXING_MESSAGE):
+        pex.check(x, y)
+
+
+def _independent_mixing(model, loss_fn, x, y, count: int) -> float:
+    """The mixing formula by eager calls, one example alone at a time."""
+    in_batch = np.asarray(loss_fn(y, model(x, training=False)), np.float64)
+    floor = np.mean(np.abs(in_batch))
+    worst = 0.0
+    for k in range(count):
+        alone = float(np.asarray(loss_fn(y[k:k + 1], model(x[k:k + 1], training=False)))[0])
+        scale = max(abs(in_batch[k]), abs(alone), floor)
+        worst = max(worst, abs(in_batch[k] - alone) / scale)
+    return worst
+
+
+def test_example_mixing_matches_an_independent_computation(float64):
+    model = _centering_model()
+    rng = np.random.default_rng(10)
+    x, y = rng.normal(size=(7, 4)), rng.normal(size=(7, 2))
+    mse = keras.losses.MeanSquaredError(reduction=None)
+    pex = pergrad.PerExample(model, "mse")
+    for count in (1, 3, 7, 20):
+        expected = _independent_mixing(model, mse, x, y, min(count, 7))
+        assert expected > 1e-3
+        weights = rng.uniform(0.0, 2.0, 7)  # compared unweighted: weights change nothing
+        assert_close(pex.example_mixing(x, y, weights, num_examples=count), expected)
+    plain = pergrad.PerExample(keras.Sequential([keras.Input((4,)), L.Dense(2)]), "mse")
+    assert float(plain.example_mixing(x, y)) <= pergrad.engine.mixing_tolerance("float64")
+
+
+def _dict_model(mix: bool) -> keras.Model:
+    ids, feats = keras.Input((3,), dtype="int32", name="ids"), keras.Input((4,), name="feats")
+    f = L.Dense(3, activation="tanh")(feats)
+    if mix:
+        f = L.Lambda(_center)(f)
+    h = L.Concatenate()([L.Flatten()(L.Embedding(9, 2)(ids)), f])
+    return keras.Model({"ids": ids, "feats": feats}, [L.Dense(3)(h), L.Dense(2)(h)])
+
+
+@pytest.mark.parametrize("mix", [False, True])
+def test_example_mixing_inside_a_cond_branch_with_structured_inputs(mix):
+    """The train step's use: traced with a dynamic batch, in one branch of a tf.cond, dict
+    inputs with integer ids, a list of targets, sample weights, batches smaller than
+    num_examples, and a NaN input row (skipped when it stays in its example)."""
+    keras.utils.set_random_seed(3)
+    model = _dict_model(mix)
+    pex = pergrad.PerExample(model, [zoo.SCCE, "mse"])
+    spec = ({"ids": tf.TensorSpec([None, 3], tf.int32), "feats": tf.TensorSpec([None, 4])},
+            [tf.TensorSpec([None], tf.int64), tf.TensorSpec([None, 2])], tf.TensorSpec([None]))
+
+    @tf.function(input_signature=[*spec, tf.TensorSpec([], tf.bool)])
+    def first_batch(x, y, w, first):
+        return tf.cond(first, lambda: pex.example_mixing(x, y, w),
+                       lambda: tf.constant(-1.0, tf.float64))
+
+    rng = np.random.default_rng(11)
+    tolerance = pergrad.engine.mixing_tolerance(pex.compute_dtype)
+    for batch in (6, 2):
+        x = {"ids": rng.integers(0, 9, (batch, 3)).astype("int32"),
+             "feats": rng.normal(size=(batch, 4)).astype("float32")}
+        y = [rng.integers(0, 3, batch), rng.normal(size=(batch, 2)).astype("float32")]
+        w = rng.uniform(0.5, 1.5, batch).astype("float32")
+        assert float(first_batch(x, y, w, False)) == -1.0
+        value = float(first_batch(x, y, w, True))
+        assert value > 0.1 if mix else 0.0 <= value <= tolerance, (batch, value)
+        x["feats"][1] = np.nan
+        value = float(first_batch(x, y, w, True))
+        assert value == np.inf if mix else 0.0 <= value <= tolerance, (batch, value)
+
+
+def test_example_mixing_argument_and_trace_cache():
+    case = zoo.embedding()
+    pex = pergrad.PerExample(case.model, case.loss)
+    for _ in range(2):
+        value = pex.example_mixing(case.x, case.y, num_examples=np.int64(2))
+        assert value.dtype == tf.float64 and value.shape == ()
+        assert float(value) <= pergrad.engine.mixing_tolerance("float32")
+    assert pex.trace_counts["example_mixing/2"] == 1
+    pex.check(case.x, case.y)
+
+
+# -- mixed precision --------------------------------------------------------------------------------
+
+@pytest.fixture
+def dtype_policy():
+    """Sets the global dtype policy; restores floatx and the policy afterwards."""
+    floatx, policy = keras.config.floatx(), keras.config.dtype_policy()
+    yield keras.config.set_dtype_policy
+    keras.config.set_floatx(floatx)
+    keras.config.set_dtype_policy(policy)
+
+
+def test_tolerances_follow_the_dtype():
+    dtypes = ["float64", "float32", "float16", "bfloat16"]
+    for tolerance in (pergrad.engine.mixing_tolerance, pergrad.engine.gradient_tolerance):
+        values = [tolerance(d) for d in dtypes]
+        assert values == sorted(values) and values[0] <= 1e-8 and values[1] == 1e-4
+        assert tolerance(tf.float16) == tolerance("float16")
+    with pytest.raises(ValueError, match="floating dtype"):
+        pergrad.engine.mixing_tolerance("int32")
+
+
+def test_float32_on_a_gpu_with_tensor_float_32_gets_float16_tolerances(monkeypatch):
+    """TF32 matmuls round their inputs to float16's 10-bit significand."""
+    gpus = [tf.config.PhysicalDevice("/physical_device:GPU:0", "GPU")]
+    monkeypatch.setattr(tf.config, "list_physical_devices",
+                        lambda kind=None: gpus if kind == "GPU" else [])
+    monkeypatch.setattr(tf.config.experimental, "tensor_float_32_execution_enabled", lambda: True)
+    for tolerance in (pergrad.engine.mixing_tolerance, pergrad.engine.gradient_tolerance):
+        assert tolerance("float32") == tolerance("float16")
+        assert tolerance("float64") < 1e-6
+    monkeypatch.setattr(tf.config.experimental, "tensor_float_32_execution_enabled", lambda: False)
+    assert pergrad.engine.gradient_tolerance("float32") == 1e-4
+
+
+@pytest.mark.parametrize("policy", ["mixed_float16", "mixed_bfloat16"])
+def test_check_tolerances_follow_the_compute_dtype(policy, dtype_policy):
+    dtype_policy(policy)
+    keras.utils.set_random_seed(4)
+    case = zoo.conv2d()
+    pex = pergrad.PerExample(case.model, case.loss)
+    assert pex.compute_dtype == tf.as_dtype(policy.removeprefix("mixed_"))
+    pex.check(case.x, case.y)  # tolerances of the half-precision dtype
+    with pytest.raises(ValueError, match="do not add up"):  # float32's: the old false alarm
+        pex.check(case.x, case.y, rtol=1e-4)
+    rng = np.random.default_rng(6)
+    ids, y = rng.integers(0, 7, size=(5, 3)), rng.integers(0, 7, size=5)
+    tied = TiedEmbeddings()
+    tied(ids)
+    with pytest.raises(ValueError, match="embeddings"):  # still found in half precision
+        pergrad.PerExample(tied, zoo.SCCE).check(ids, y)
+
+
+def _generic_layers() -> keras.Model:
+    inputs = keras.Input((6, 6, 2))
+    h = L.DepthwiseConv2D(3, depth_multiplier=2, activation="tanh")(inputs)
+    h = L.SeparableConv2D(3, 2)(h)
+    h = L.Conv2DTranspose(2, 2, strides=2)(h)
+    h = L.LSTM(4, return_sequences=True)(L.Reshape((6, 12))(h))
+    return keras.Model(inputs, L.Dense(3)(L.GRU(3)(h)))
+
+
+def test_generic_layers_under_mixed_float16_match_the_float64_oracle(dtype_policy):
+    """Replaying a generic layer must cast its float32 weights to float16 as Layer.__call__
+    does; compared with a float64 twin at float16's tolerance (u = 4.9e-4)."""
+    dtype_policy("mixed_float16")
+    keras.utils.set_random_seed(5)
+    model = _generic_layers()
+    rng = np.random.default_rng(12)
+    x, y = rng.normal(size=(5, 6, 6, 2)), rng.integers(0, 3, 5)
+    pex = pergrad.PerExample(model, zoo.SCCE)
+    assert {type(layer).__name__ for layer in pex.plan.generic} == {
+        "DepthwiseConv2D", "SeparableConv2D", "Conv2DTranspose", "LSTM", "GRU"}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)  # SeparableConv2D: no pfor converter
+        grads, norms = pex.gradients(x, y), pex.norms(x, y)
+    keras.config.set_floatx("float64")
+    dtype_policy("float64")
+    twin = _generic_layers()
+    twin.set_weights([w.astype("float64") for w in model.get_weights()])
+    expected, _ = loop_gradients(twin, keras_loss(zoo.SCCE), x, y)
+    scale = max(np.max(np.abs(e)) for e in expected)
+    for g, e, v in zip(grads, expected, model.trainable_variables, strict=True):
+        assert g.dtype == tf.float32
+        assert_close(g, e, atol=1e-2 * scale, what=v.path)
+    flat = np.concatenate([e.reshape(5, -1) for e in expected], axis=1)
+    assert_close(norms, np.linalg.norm(flat, axis=1), rtol=1e-2)
+
+
+# -- numeric arguments ------------------------------------------------------------------------------
+
+def test_numeric_arguments_accept_numpy_scalars(float64):
+    case = zoo.mlp()
+    params = sum(int(np.prod(v.shape)) for v in case.model.trainable_variables)
+    pex = pergrad.PerExample(case.model, case.loss, memory_budget_bytes=np.int64(2 * params * 8))
+    expected = _oracle(case)
+    for g, e in zip(pex.gradients(case.x, case.y), expected, strict=True):
+        assert_close(g, e)
+    assert pex.trace_counts["gradients"] == 2  # chunks of 2, then 1
+    by_numpy, norms = pex.clipped_sum(case.x, case.y, np.float32(0.5))
+    by_float, _ = pex.clipped_sum(case.x, case.y, 0.5)
+    factors = np.minimum(1.0, 0.5 / norms.numpy())
+    for a, b, e in zip(by_numpy, by_float, expected, strict=True):
+        assert_close(a, b, rtol=1e-12)
+        assert_close(a, np.tensordot(factors, e, axes=1))
+    pex.check(case.x, case.y, rtol=np.float64(1e-6), num_examples=np.int32(2))
+
+
+@pytest.mark.parametrize("call, match", [
+    (lambda m: pergrad.PerExample(m, "mse", memory_budget_bytes=True),
+     "memory_budget_bytes must be a number, got the bool"),
+    (lambda m: pergrad.PerExample(m, "mse", memory_budget_bytes=float("inf")),
+     "memory_budget_bytes must be a finite number"),
+    (lambda m: pergrad.PerExample(m, "mse", memory_budget_bytes=2.5),
+     "memory_budget_bytes must be a whole number"),
+    (lambda m: pergrad.PerExample(m, "mse", memory_budget_bytes="1e9"),
+     "memory_budget_bytes must be a Python or NumPy number"),
+    (lambda m: pergrad.PerExample(m, "mse").clipped_sum(_X, _Y, np.bool_(True)),
+     "l2_norm_clip must be a number, got the bool"),
+    (lambda m: pergrad.PerExample(m, "mse").clipped_sum(_X, _Y, float("nan")),
+     "l2_norm_clip must be a finite number"),
+    (lambda m: pergrad.PerExample(m, "mse").clipped_sum(_X, _Y, np.float32(np.inf)),
+     "l2_norm_clip must be a finite number"),
+    (lambda m: pergrad.PerExample(m, "mse").clipped_sum(_X, _Y, np.float32(-1.0)),
+     "l2_norm_clip must be > 0"),
+    (lambda m: pergrad.PerExample(m, "mse").check(_X, _Y, rtol=np.float64(np.nan)),
+     "rtol must be a finite number"),
+    (lambda m: pergrad.PerExample(m, "mse").example_mixing(_X, _Y, num_examples=0),
+     "num_examples must be positive"),
+    (lambda m: pergrad.PerExample(m, "mse").example_mixing(_X, _Y, num_examples=True),
+     "num_examples must be a number, got the bool"),
+])
+def test_numeric_arguments_refuse_bools_and_non_finite_values(call, match):
+    model = keras.Sequential([keras.Input((3,)), L.Dense(2)])
+    with pytest.raises(ValueError, match=match):
+        call(model)
+
+
+_X, _Y = np.ones((4, 3)), np.ones((4, 2))

@@ -50,6 +50,33 @@ def test_auto_matches_loop_oracle(name, float64):
     for s, e in zip(summed, expected_sums, strict=True):
         assert_close(s, e, atol=1e-6 * sum_scale, what="clipped_sum")
     assert_close(clip_norms, norms, what="clipped_sum norms")
+    pex.check(case.x, case.y, case.sample_weight)  # no example mixing, sum_i g_i = batch gradient
+
+
+@pytest.mark.parametrize("name", ["mlp", "conv2d_same_stride2", "generic_layers", "embedding"])
+def test_clipped_sum_drops_non_finite_examples(name, float64):
+    """A NaN input row (example 1) and an infinite sample weight (example 3) are dropped as the
+    aggregators drop them; the sum over the other examples matches the oracle, and the norms
+    show the dropped examples as non-finite."""
+    case = zoo.ALL[name]()
+    expected, _ = _oracle(case)  # examples are independent: the clean batch's gradients
+    x = np.array(case.x)
+    if name != "embedding":  # integer ids cannot be NaN: only the weight drops one there
+        x[1] = np.nan
+    weights = np.ones(zoo.B)
+    weights[3] = np.inf
+    dropped = np.isin(np.arange(zoo.B), [3] if name == "embedding" else [1, 3])
+    pex = pergrad.PerExample(case.model, case.loss)
+    flat = np.concatenate([e.reshape(zoo.B, -1) for e in expected], axis=1)
+    clean_norms = np.linalg.norm(flat, axis=1)
+    clip = float(np.median(clean_norms))
+    summed, norms = pex.clipped_sum(x, case.y, clip, weights)
+    assert not np.any(np.isfinite(norms.numpy()[dropped]))
+    assert_close(norms.numpy()[~dropped], clean_norms[~dropped], what="kept norms")
+    factors = np.where(dropped, 0.0, np.minimum(1.0, clip / clean_norms))
+    for s, e in zip(summed, expected, strict=True):
+        assert np.all(np.isfinite(s.numpy()))
+        assert_close(s, np.tensordot(factors, e, axes=1), what=f"{name}: clipped sum")
 
 
 @pytest.mark.parametrize("strategy", ["vmap", "jacobian", "loop"])

@@ -8,6 +8,11 @@ one VJP per example, vectorized with ``tf.vectorized_map`` over ``layer.stateles
 exact for any layer that treats examples independently. A layer with an op that has no vectorized
 form gets a per-example loop instead, with a warning naming the layer.
 
+Under mixed precision ``Layer.__call__`` casts the float32 variables to the layer's float16 (or
+bfloat16) compute dtype, and ``stateless_call`` (which calls ``call`` directly) does not: the replay
+runs inside the same autocast scope (:func:`autocast_scope`), so it computes exactly what the
+forward pass computed, and the gradients come back in the variables' own dtype.
+
 Replaying the layer would draw new random numbers, so a layer that draws them (dropout inside an
 LSTM, say) in training mode instead gets its VJPs from the recorded forward pass itself:
 ``tape.jacobian`` of ``s_i = <f(x_i; W), stop_gradient(D_i)>`` (:func:`recorded_vjps`).
@@ -15,12 +20,20 @@ LSTM, say) in training mode instead gets its VJPs from the recorded forward pass
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import warnings
 
+import keras
 import tensorflow as tf
 
 from pergrad.rules import LayerCall
 from pergrad.rules.forms import Materialized
+
+try:  # Keras has no public name for the scope Layer.__call__ opens under mixed precision
+    from keras.src.backend import AutocastScope
+except ImportError:  # pragma: no cover - a Keras that moved it: replay without casting, as before
+    AutocastScope = None
 
 
 def _is_batched(leaf, batch_size: int | None) -> bool:
@@ -28,6 +41,33 @@ def _is_batched(leaf, batch_size: int | None) -> bool:
         return False
     dim = leaf.shape[0]
     return dim is None or batch_size is None or dim == batch_size
+
+
+def autocast_scope(layer):
+    """The variable autocasting ``Layer.__call__`` applies around ``call``, for a replay through
+    ``stateless_call``: inside it a float32 variable reads as the layer's compute dtype
+    (``float16`` under ``mixed_float16``), as in the forward pass; variables created with
+    ``autocast=False`` (normalization statistics) stay as they are. Keras has no public name
+    for the scope."""
+    compute = keras.backend.standardize_dtype(layer.compute_dtype)
+    mixed = compute != keras.backend.standardize_dtype(layer.variable_dtype)
+    if AutocastScope is None or not getattr(layer, "autocast", True) or not mixed \
+            or not tf.as_dtype(compute).is_floating:
+        return contextlib.nullcontext()
+    return AutocastScope(compute)
+
+
+@contextlib.contextmanager
+def _quiet_pfor():
+    """pfor logs every failed conversion at ERROR level, with the op's whole definition, before
+    raising; the caller falls back to a loop and warns once in one line instead."""
+    logger = tf.get_logger()
+    level = logger.level
+    logger.setLevel(max(level, logging.CRITICAL))
+    try:
+        yield
+    finally:
+        logger.setLevel(level)
 
 
 def draws_random(layer) -> bool:
@@ -67,7 +107,7 @@ def generic_forms(layer, call: LayerCall, grads: list, batch_size: int | None,
         for k, i in enumerate(batched):
             full[i] = example_leaves[k][None]
         args, kwargs = tf.nest.pack_sequence_as((call.args, call.kwargs), full)
-        with tf.GradientTape() as tape:
+        with tf.GradientTape() as tape, autocast_scope(layer):
             tape.watch(values)
             out, _ = layer.stateless_call(values, frozen, *args, **kwargs)
             outs = [o for o in tf.nest.flatten(out) if isinstance(o, tf.Tensor)]
@@ -77,7 +117,8 @@ def generic_forms(layer, call: LayerCall, grads: list, batch_size: int | None,
 
     elems = ([leaves[i] for i in batched], grads)
     try:
-        per_example = tf.vectorized_map(one_example, elems, fallback_to_while_loop=False)
+        with _quiet_pfor():
+            per_example = tf.vectorized_map(one_example, elems, fallback_to_while_loop=False)
     except Exception as error:  # noqa: BLE001 - pfor raises several types for missing converters
         if id(layer) not in warned:
             warned.add(id(layer))

@@ -10,6 +10,14 @@ import keras
 import numpy as np
 import tensorflow as tf
 
+from pergrad.engine.arguments import positive_integer, positive_real
+from pergrad.engine.checks import (
+    compute_dtype,
+    gradient_tolerance,
+    mixing_differences,
+    mixing_error,
+    mixing_tolerance,
+)
 from pergrad.engine.losses import per_example_loss
 from pergrad.engine.plan import Plan, make_plan
 from pergrad.engine.result import PerExampleResult
@@ -28,9 +36,10 @@ def _to_tensors(structure):
     return tf.nest.map_structure(convert, structure)
 
 
-def _batch_size(x) -> int:
+def _batch_size(x) -> int | None:
+    """The static batch size, or ``None`` inside a trace with a dynamic batch dimension."""
     first = tf.nest.flatten(x)[0]
-    return int(first.shape[0])
+    return None if first.shape[0] is None else int(first.shape[0])
 
 
 def _slice(structure, start: int, stop: int):
@@ -66,8 +75,8 @@ class PerExample:
                  training: bool = False) -> None:
         if strategy not in STRATEGIES:
             raise ValueError(f"strategy must be one of {STRATEGIES}, got {strategy!r}.")
-        if memory_budget_bytes is not None and memory_budget_bytes <= 0:
-            raise ValueError(f"memory_budget_bytes must be positive, got {memory_budget_bytes}.")
+        if memory_budget_bytes is not None:
+            memory_budget_bytes = positive_integer(memory_budget_bytes, "memory_budget_bytes")
         if not isinstance(model, keras.layers.Layer):
             raise TypeError(f"model must be a Keras model or layer, got {type(model).__name__}.")
         self.model = model
@@ -91,6 +100,12 @@ class PerExample:
                 raise ValueError("The model is not built yet; call it on a batch first.")
             self._plan = make_plan(self.model)
         return self._plan
+
+    @property
+    def compute_dtype(self) -> tf.DType:
+        """The least precise floating compute dtype of the model's layers (``float16`` under
+        ``mixed_float16``): the dtype the tolerances of :meth:`check` follow."""
+        return compute_dtype(self.model)
 
     def compute(self, x, y=None, sample_weight=None) -> PerExampleResult:
         """The traceable core: a :class:`PerExampleResult` for one batch.
@@ -123,7 +138,8 @@ class PerExample:
         if not self.model.built:
             self.model(_slice(x, 0, 1))
         batch = _batch_size(x)
-        if sample_weight is not None and int(sample_weight.shape[0]) != batch:
+        weights = None if sample_weight is None else sample_weight.shape[0]
+        if None not in (batch, weights) and weights != batch:
             raise ValueError(f"sample_weight has {sample_weight.shape[0]} entries for a batch "
                              f"of {batch}.")
         return x, y, sample_weight
@@ -173,58 +189,136 @@ class PerExample:
 
     def clipped_sum(self, x, y, l2_norm_clip: float, sample_weight=None
                     ) -> tuple[list[tf.Tensor], tf.Tensor]:
-        """``(sum_i min(1, C / ||g_i||) g_i per variable, ||g_i||)`` for ``C = l2_norm_clip``."""
-        if not l2_norm_clip > 0:
-            raise ValueError(f"l2_norm_clip must be > 0, got {l2_norm_clip}.")
+        """``(sum_i c_i g_i per variable, ||g_i||)`` with ``c_i = min(1, C / ||g_i||)`` for
+        ``C = l2_norm_clip`` (a positive finite Python or NumPy number).
+
+        Examples whose norm or loss is not finite (a NaN input row, an overflow) are dropped as
+        the aggregators of :mod:`pergrad.aggregate` drop them: ``c_i = 0`` and their gradient
+        rows are zeroed before the sum (``0 * NaN`` would be NaN). The returned norms are left as
+        they are, so the non-finite ones show which examples were dropped.
+        """
+        clip = positive_real(l2_norm_clip, "l2_norm_clip")
         x, y, sample_weight = self.prepare(x, y, sample_weight)
 
         def body(x, y, w, clip):
-            result = self.compute(x, y, w)
-            norms = result.norms()
-            return result.weighted_sum(clip_factors(norms, clip)), norms
+            return finite_clipped_sum(self.compute(x, y, w), clip)
 
         return self.compiled("clipped_sum", body)(
-            x, y, sample_weight, tf.constant(l2_norm_clip, tf.float64))
+            x, y, sample_weight, tf.constant(clip, tf.float64))
 
+    def example_mixing(self, x, y=None, sample_weight=None, num_examples: int = 4) -> tf.Tensor:
+        """How much the model or the loss mixes the examples of a batch: a float64 scalar, 0 for
+        a model that treats examples independently (up to rounding, see
+        :func:`pergrad.engine.mixing_tolerance`).
 
-    def check(self, x, y=None, sample_weight=None, rtol: float = 1e-4) -> None:
-        """Verify on one batch that the per-example gradients add up to the batch gradient.
+        ``max_k |l_k^B - l_k^1| / max(|l_k^B|, |l_k^1|, mean_j |l_j^B|)`` over the first
+        ``min(num_examples, B)`` examples, where ``l_k^B`` is example ``k``'s loss computed in
+        the batch and ``l_k^1`` computed alone, both with ``training=False`` (dropout cannot
+        differ). The mean floor keeps a loss near zero from turning rounding into a large
+        relative difference. Losses are compared unweighted, so that an example weighted 0
+        cannot hide mixing; ``sample_weight`` is only checked for its length.
 
-        ``sum_i g_i`` must equal ``d/dtheta sum_i l_i`` computed by an ordinary tape. A mismatch
-        means the model does something the engine cannot see: a layer's weight used outside
-        that layer's call (tied input and output embeddings written as
-        ``h @ embedding.embeddings.T``), or randomness that differs between two passes (call
-        with ``training=False`` to check a model with dropout). Raises ``ValueError`` naming the
-        variables whose relative error exceeds ``rtol``.
+        Traceable: inside a ``tf.function`` or a ``tf.cond`` branch it adds ``num_examples``
+        forward passes of one example to the graph; called eagerly it is compiled and cached.
         """
+        num_examples = positive_integer(num_examples, "num_examples")
         x, y, sample_weight = self.prepare(x, y, sample_weight)
 
         def body(x, y, w):
-            result = self.compute(x, y, w)
-            summed = result.weighted_sum(tf.ones_like(result.losses))
-            with tf.GradientTape() as tape:
-                    total = tf.reduce_sum(weighted_losses(self._loss_fn(y, self.model(
-                    x, training=self.training)), w))
-            batch = tape.gradient(total, result.variables,
-                                  unconnected_gradients=tf.UnconnectedGradients.ZERO)
-            return summed, [tf.convert_to_tensor(g) for g in batch]  # IndexedSlices too
+            del w  # losses are compared unweighted
+            return tf.reduce_max(mixing_differences(self.model, self._loss_fn, x, y,
+                                                    num_examples))
 
-        summed, batch = self.compiled("check", body)(x, y, sample_weight)
-        wrong = []
-        # Errors relative to the largest batch-gradient entry of the model: some variables'
-        # gradients are exactly zero in exact arithmetic (attention's key bias) and only noise.
-        scale = max([float(np.max(np.abs(np.asarray(b)))) for b in batch if np.size(b)] + [1e-30])
-        for v, got, want in zip(self.model.trainable_variables, summed, batch, strict=True):
-            got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
-            error = float(np.max(np.abs(got - want), initial=0.0)) / scale
-            if error > rtol:
-                wrong.append(f"{v.path} (relative error {error:.2g})")
-        if wrong:
-            raise ValueError(
-                "The per-example gradients do not add up to the batch gradient for "
-                + ", ".join(wrong) + ". A weight is probably used outside its own layer's call "
-                "(e.g. tied embeddings); move that use into a layer of its own, or use "
-                "strategy='vmap', which differentiates the whole model per example.")
+        if not tf.executing_eagerly():
+            return body(x, y, sample_weight)
+        return self.compiled(f"example_mixing/{num_examples}", body)(x, y, sample_weight)
+
+    def check(self, x, y=None, sample_weight=None, rtol: float | None = None,
+              num_examples: int = 4) -> None:
+        """Verify on one batch that the per-example gradients are what they claim to be.
+
+        Two tests, with relative tolerances that follow :attr:`compute_dtype` unless ``rtol``
+        is given (then it is used for both):
+
+        1. **No example mixing** (:meth:`example_mixing` below :func:`mixing_tolerance`): a
+           layer or a loss that mixes examples (a mean over the batch axis, BatchNormalization
+           in training mode) makes per-example gradients, and DP guarantees, meaningless. Raises
+           :class:`pergrad.MixesExamplesError` naming the example and the difference.
+        2. **The sum is the batch gradient**: ``sum_i g_i`` must equal ``d/dtheta sum_i l_i``
+           computed by an ordinary tape, within :func:`gradient_tolerance` of the largest
+           batch-gradient entry. A mismatch means the model does something the engine cannot
+           see: a layer's weight used outside that layer's call (tied input and output
+           embeddings written as ``h @ embedding.embeddings.T``), or randomness that differs
+           between two passes (call with ``training=False`` to check a model with dropout).
+           Raises ``ValueError`` naming the variables.
+        """
+        rtol = None if rtol is None else positive_real(rtol, "rtol")
+        num_examples = positive_integer(num_examples, "num_examples")
+        x, y, sample_weight = self.prepare(x, y, sample_weight)
+
+        def body(x, y, w):
+            mixing = mixing_differences(self.model, self._loss_fn, x, y, num_examples)
+            return (mixing, *self._summed_and_batch_gradients(x, y, w))
+
+        mixing, summed, batch = self.compiled(f"check/{num_examples}", body)(
+            x, y, sample_weight)
+        dtype = self.compute_dtype
+        _raise_if_mixing(mixing.numpy(), mixing_tolerance(dtype) if rtol is None else rtol)
+        _raise_if_not_summing(self.model.trainable_variables, summed, batch,
+                              gradient_tolerance(dtype) if rtol is None else rtol)
+
+    def _summed_and_batch_gradients(self, x, y, w) -> tuple[list, list]:
+        """``sum_i g_i`` by the engine and ``d/dtheta sum_i l_i`` by an ordinary tape."""
+        result = self.compute(x, y, w)
+        summed = result.weighted_sum(tf.ones_like(result.losses))
+        with tf.GradientTape() as tape:
+            total = tf.reduce_sum(weighted_losses(
+                self._loss_fn(y, self.model(x, training=self.training)), w))
+        batch = tape.gradient(total, result.variables,
+                              unconnected_gradients=tf.UnconnectedGradients.ZERO)
+        return summed, [tf.convert_to_tensor(g) for g in batch]  # IndexedSlices too
+
+
+def _raise_if_mixing(differences: np.ndarray, rtol: float) -> None:
+    worst = int(np.argmax(differences))
+    if differences[worst] > rtol:
+        raise mixing_error(worst, float(differences[worst]))
+
+
+def _raise_if_not_summing(variables: list, summed: list, batch: list, rtol: float) -> None:
+    """Errors relative to the largest batch-gradient entry of the model: some variables'
+    gradients are exactly zero in exact arithmetic (attention's key bias) and only noise."""
+    scale = max([float(np.max(np.abs(np.asarray(b)))) for b in batch if np.size(b)] + [1e-30])
+    wrong = []
+    for v, got, want in zip(variables, summed, batch, strict=True):
+        got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
+        error = float(np.max(np.abs(got - want), initial=0.0)) / scale
+        if not error <= rtol:
+            wrong.append(f"{v.path} (relative error {error:.2g})")
+    if wrong:
+        raise ValueError(
+            "The per-example gradients do not add up to the batch gradient for "
+            + ", ".join(wrong) + ". A weight is probably used outside its own layer's call "
+            "(e.g. tied embeddings); move that use into a layer of its own, or use "
+            "strategy='vmap', which differentiates the whole model per example.")
+
+
+def finite_clipped_sum(result: PerExampleResult, l2_norm_clip) -> tuple[list[tf.Tensor],
+                                                                         tf.Tensor]:
+    """``(sum_{i kept} min(1, C / ||g_i||) g_i, ||g_i||)``, traceable.
+
+    Example ``i`` is kept when its norm and its loss are finite; a dropped example gets
+    coefficient 0 and its rows are zeroed (:meth:`PerExampleResult.masked`) before the sum,
+    exactly as :func:`pergrad.aggregate.base.linear_local` does. The norms are returned as
+    computed, non-finite ones included.
+    """
+    norms = result.norms()
+    keep = tf.logical_and(tf.math.is_finite(norms), tf.math.is_finite(result.losses))
+    factors = tf.where(keep, clip_factors(norms, l2_norm_clip), tf.zeros_like(norms))
+    sums = tf.cond(tf.reduce_all(keep),
+                   lambda: [tf.identity(s) for s in result.weighted_sum(factors)],
+                   lambda: result.masked(keep).weighted_sum(factors))
+    return list(sums), norms
 
 
 def clip_factors(norms: tf.Tensor, l2_norm_clip) -> tf.Tensor:

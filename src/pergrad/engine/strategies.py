@@ -7,7 +7,7 @@ from typing import Any
 
 import tensorflow as tf
 
-from pergrad.engine.generic import draws_random, generic_forms, recorded_vjps
+from pergrad.engine.generic import autocast_scope, draws_random, generic_forms, recorded_vjps
 from pergrad.engine.intercept import record_calls
 from pergrad.engine.plan import Plan
 from pergrad.engine.result import PerExampleResult
@@ -96,7 +96,7 @@ def _one_example_fn(model, loss_fn, training: bool, values, frozen):
     def fn(elems):
         elems = tf.nest.map_structure(lambda t: t[None], elems)
         xi, yi, wi = elems if len(elems) == 3 else (elems[0], None, elems[1])
-        with tf.GradientTape() as tape:
+        with tf.GradientTape() as tape, autocast_scope(model):
             tape.watch(values)
             kwargs = {"training": training} if getattr(model, "_call_has_training_arg", True) else {}
             predictions, _ = model.stateless_call(values, frozen, xi, **kwargs)
