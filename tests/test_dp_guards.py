@@ -51,6 +51,32 @@ def test_a_mixing_layer_is_refused_before_any_update(rng, aggregator):
         model.train_on_batch(x, y)
     for a, b in zip(inner.get_weights(), before, strict=True):
         np.testing.assert_array_equal(a, b)
+    assert int(model.optimizer.iterations) == 0  # a refused step changes no state at all
+    if model.noise_state is not None:
+        assert model.noise_state.numpy()[1] == 0
+
+
+def test_xla_cannot_skip_the_mixing_check(rng):
+    model = PerExampleModel(_mixing_model(), aggregate.dp_mean(1.0, 1.0))
+    with pytest.warns(UserWarning, match="without XLA"):
+        model.compile(optimizer="sgd", loss="mse", jit_compile=True)
+    x, y = rng.normal(size=(8, 6)).astype("float32"), rng.normal(size=(8, 3)).astype("float32")
+    with pytest.raises(pergrad.MixesExamplesError):
+        model.fit(x, y, batch_size=8, verbose=0)
+
+
+def test_recompiling_with_a_mixing_loss_is_checked_again(rng):
+    def centered(y, p):
+        per_example = keras.ops.mean(keras.ops.square(y - p), axis=-1)
+        return per_example - keras.ops.mean(per_example)
+
+    x, y = rng.normal(size=(8, 6)).astype("float32"), rng.normal(size=(8, 3)).astype("float32")
+    model = PerExampleModel(_mlp(), aggregate.clip_mean(1.0))
+    model.compile(optimizer="sgd", loss="mse")
+    model.fit(x, y, batch_size=8, verbose=0)
+    model.compile(optimizer="sgd", loss=centered)
+    with pytest.raises(pergrad.MixesExamplesError):
+        model.fit(x, y, batch_size=8, verbose=0)
 
 
 def test_a_batch_dependent_loss_is_refused(rng):
@@ -103,6 +129,7 @@ def test_an_overflowing_example_is_dropped_and_the_dp_step_still_happens(rng, po
     history = model.fit(x, y, batch_size=16, epochs=1, verbose=0, shuffle=False)
     assert history.history["dropped_examples"] == [1.0]
     assert float(model.optimizer.dynamic_scale) == 2.0 ** 8
+    assert int(model.optimizer.step_counter) == 0  # held: the scale never grows under DP
 
     without = _float16_dp_model(weights, clip=1.0)
     keep = np.arange(16) != 5
@@ -154,6 +181,25 @@ def test_state_updates_still_apply_where_allowed(rng, aggregator, kwargs):
     model, running = _running_mean_model(aggregator, **kwargs)
     model.fit(x, y, batch_size=8, verbose=0)
     np.testing.assert_allclose(running.numpy(), 0.1 * x.mean(axis=0), rtol=1e-5, atol=1e-7)
+
+
+def test_random_draws_in_a_custom_layer_still_advance(rng):
+    """Writes outside the model's own variables (Keras's global seed generator) are applied."""
+
+    class Jitter(keras.layers.Layer):
+        def call(self, x, training=False):
+            return x + 0.01 * keras.random.normal(keras.ops.shape(x)) if training else x
+
+    inner = keras.Sequential([keras.Input((6,)), keras.layers.Dense(3), Jitter()])
+    model = PerExampleModel(inner, aggregate.dp_mean(1.0, 1.0))
+    model.compile(optimizer="sgd", loss="mse")
+    x, y = rng.normal(size=(8, 6)).astype("float32"), rng.normal(size=(8, 3)).astype("float32")
+    from keras.src.random.seed_generator import global_seed_generator  # no public name
+
+    state = global_seed_generator().state
+    before = state.numpy().copy()
+    model.fit(x, y, batch_size=4, epochs=1, verbose=0)
+    assert not np.array_equal(before, state.numpy())
 
 
 def test_dropout_keeps_drawing_new_masks_under_dp(rng):
@@ -249,3 +295,23 @@ def test_aggregators_called_on_an_empty_engine_result():
             agg(result)
     update = aggregate.dp_mean(1.0, 1.0, expected_batch_size=4)(result)
     assert all(np.isfinite(u.numpy()).all() and np.std(u.numpy()) > 0 for u in update)
+
+
+# -- the privacy callback is tied to the model's noise stream ---------------------------------------
+
+def test_privacy_callback_charges_steps_taken_before_it_and_checks_sigma(rng, tmp_path):
+    x, y = rng.normal(size=(32, 6)).astype("float32"), rng.normal(size=(32, 3)).astype("float32")
+    model = PerExampleModel(_mlp(), aggregate.dp_mean(1.0, 1.1))
+    model.compile(optimizer="sgd", loss="mse")
+    model.fit(x, y, batch_size=8, epochs=1, verbose=0)  # 4 noisy steps, no callback
+    model.train_on_batch(x[:8], y[:8])  # a fifth
+    path = tmp_path / "dp.keras"
+    model.save(path)
+    restored = keras.saving.load_model(path)
+    callback = pergrad.keras.PrivacyCallback(32, 8, 1.1, 1e-5)
+    restored.fit(x, y, batch_size=8, epochs=1, verbose=0, callbacks=[callback])
+    assert callback.steps == 5 + 4
+    assert callback.epsilon == pytest.approx(pergrad.privacy.epsilon_for_steps(0.25, 1.1, 9, 1e-5))
+    with pytest.raises(ValueError, match="noise_multiplier=1.1"):
+        restored.fit(x, y, batch_size=8, verbose=0,
+                     callbacks=[pergrad.keras.PrivacyCallback(32, 8, 2.0, 1e-5)])

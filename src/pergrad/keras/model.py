@@ -163,6 +163,20 @@ def _is_seed_state(variable) -> bool:
     return variable.name == "seed_generator_state"
 
 
+class _RecordingScope(keras.StatelessScope):
+    """A ``keras.StatelessScope`` that also remembers *which* variables were written, so that
+    every write (the model's, a custom loss's, Keras's global seed generator's) is applied or
+    refused after the forward pass, never silently dropped."""
+
+    def __init__(self) -> None:
+        super().__init__(collect_losses=True)
+        self.written: dict[int, Any] = {}
+
+    def add_update(self, update) -> None:
+        super().add_update(update)
+        self.written[id(update[0])] = update[0]
+
+
 _MIXING_MARKER = "pergrad: examples mix"
 
 
@@ -280,6 +294,16 @@ class PerExampleModel(keras.Model):
         self._per_example_loss, self._target_order = compiled_per_example_loss(
             loss, loss_weights, output_names, dict_outputs)
         self._per_example = None
+        if self._mixing_checked is not None:
+            self._mixing_checked.assign(False)  # a new loss may mix examples: check it again
+            if self.jit_compile:
+                # XLA compiles tf.debugging.Assert to nothing, which would skip the check.
+                if kwargs.get("jit_compile") is True:
+                    warnings.warn("PerExampleModel compiles its train step without XLA while "
+                                  "check_example_mixing=True (an XLA assertion cannot stop a "
+                                  "step). Check with PerExample.check(x, y) and pass "
+                                  "check_example_mixing=False to use XLA.", stacklevel=2)
+                self.jit_compile = False
 
     def compile_from_config(self, config) -> None:
         config = keras.saving.deserialize_keras_object(config)
@@ -379,11 +403,12 @@ class PerExampleModel(keras.Model):
         scale = self._current_loss_scale()
         self._loss_scale = scale
         try:
-            with tf.control_dependencies(checks), keras.StatelessScope(collect_losses=True) as scope:
+            with tf.control_dependencies(checks), _RecordingScope() as scope:
                 result = engine.compute(x, y, sample_weight)
         finally:
             self._loss_scale = None
-        self._apply_state_updates(scope)
+        with tf.control_dependencies(checks):  # a refused first step changes no state at all
+            self._apply_state_updates(scope)
         variables = result.variables
         self._check_no_call_losses(scope)
         if scale is not None:
@@ -396,7 +421,8 @@ class PerExampleModel(keras.Model):
         batch = aggregate.Batch.of(result, sample_weight, loss_scaled=loss_scaled)
         local = self.aggregator.local(result, batch)
         total = aggregate.cross_replica(local, self.aggregator.gathers)
-        key = noise.next_key(self.noise_state) if self.aggregator.noisy else None
+        with tf.control_dependencies(checks):
+            key = noise.next_key(self.noise_state) if self.aggregator.noisy else None
         grads = self.aggregator.finalize(total, key)
         self._check_shapes(grads, variables)
         regularization = self._regularization_gradients(variables)
@@ -409,7 +435,13 @@ class PerExampleModel(keras.Model):
             grads = [g * tf.cast(scale, g.dtype) for g in grads]
         # Report before the update: Keras's loss includes the regularization of the old weights.
         logs = self._report(x, y, result, sample_weight, local.dropped, replicas)
-        self.optimizer.apply(grads, variables)
+        with tf.control_dependencies(checks):
+            self.optimizer.apply(grads, variables)
+        if self.aggregator.noisy and replicas == 1 \
+                and isinstance(self.optimizer, keras.optimizers.LossScaleOptimizer):
+            # DP steps are never skipped, so the scale would only grow, on a schedule, until every
+            # example overflows: hold it at its initial value (data-independent).
+            self.optimizer.step_counter.assign(0)
         if self.monitor is not None:
             stats = self.monitor.compute(result, indices=indices, sample_weight=sample_weight)
             logs = {**logs, **dict(stats)}
@@ -446,10 +478,10 @@ class PerExampleModel(keras.Model):
         written from the batch is, under a noisy aggregator, released without noise: refused
         unless ``allow_state_updates``.
         """
-        written = [v for v in self.model.variables if scope.get_current_value(v) is not None]
+        written = list(scope.written.values())
         leaking = [v for v in written if not _is_seed_state(v)]
         if leaking and self.aggregator.noisy and not self.allow_state_updates:
-            names = ", ".join(v.path for v in leaking)
+            names = ", ".join(getattr(v, "path", v.name) for v in leaking)
             raise ValueError(
                 f"The model writes the non-trainable variable(s) {names} from the batch during "
                 f"training. Under the DP aggregator {self.aggregator.name!r} they would be "
@@ -492,7 +524,7 @@ class PerExampleModel(keras.Model):
         self._loss_tracker.update_state(loss * tf.cast(replicas, loss.dtype),
                                         sample_weight=batch)
         self.dropped_examples.update_state(dropped)
-        counted = tf.reshape(tf.not_equal(weight, 0), [batch, -1])[:, 0]
+        counted = tf.reduce_any(tf.reshape(tf.not_equal(weight, 0), [batch, -1]), axis=1)
         return self.compute_metrics(x, _keep_rows(y, counted), _keep_rows(y_pred, counted),
                                     sample_weight=_keep_rows(weight, counted))
 

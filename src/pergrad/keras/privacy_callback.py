@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import keras
+import numpy as np
 
 from pergrad.privacy.accounting import (
     Accountant,
@@ -148,6 +149,7 @@ class PrivacyCallback(keras.callbacks.Callback):
         )
 
     def on_train_begin(self, logs: dict | None = None) -> None:
+        self._sync_with_model()
         if self.max_steps is None:
             return
         steps_per_execution = getattr(self.model, "steps_per_execution", 1)
@@ -160,6 +162,28 @@ class PrivacyCallback(keras.callbacks.Callback):
         if self.steps >= self.max_steps:
             self.budget_exhausted = True
             raise RuntimeError(self._spent_message())
+
+    def _sync_with_model(self) -> None:
+        """Charge the noisy steps the model already took before this callback saw it.
+
+        A ``PerExampleModel`` with a DP aggregator counts its releases in its saved noise stream
+        (``noise_state = [seed, counter]``), so a model resumed from a ``.keras`` file, or
+        trained earlier with ``train_on_batch`` or without this callback, starts from that count
+        instead of 0. The callback's ``noise_multiplier`` must also be the model's.
+        """
+        model = getattr(self, "model", None)
+        state = getattr(model, "noise_state", None)
+        aggregator = getattr(model, "aggregator", None)
+        if state is None or aggregator is None:
+            return
+        sigma = aggregator.config.get("noise_multiplier")
+        if sigma is not None and abs(float(sigma) - self.noise_multiplier) > 1e-12:
+            raise ValueError(
+                f"PrivacyCallback(noise_multiplier={self.noise_multiplier}) but the model's "
+                f"aggregator adds noise with noise_multiplier={sigma}: the epsilon would be "
+                "wrong. Pass the aggregator's noise_multiplier.")
+        released = int(np.asarray(state.numpy())[1])
+        self.steps = max(self.steps, released)
 
     def on_epoch_begin(self, epoch: int, logs: dict | None = None) -> None:
         self._steps_before_epoch = self.steps
