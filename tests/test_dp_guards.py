@@ -37,6 +37,12 @@ def _mixing_model():
         keras.layers.Dense(3)])
 
 
+def _centered_loss(y, p):
+    """A loss that mixes examples: each example's error minus the batch's mean error."""
+    per_example = keras.ops.mean(keras.ops.square(y - p), axis=-1)
+    return per_example - keras.ops.mean(per_example)
+
+
 @pytest.mark.parametrize("aggregator", [aggregate.clip_mean(1.0), aggregate.dp_mean(1.0, 1.0),
                                         aggregate.normalized_mean()])
 def test_a_mixing_layer_is_refused_before_any_update(rng, aggregator):
@@ -66,26 +72,18 @@ def test_xla_cannot_skip_the_mixing_check(rng):
 
 
 def test_recompiling_with_a_mixing_loss_is_checked_again(rng):
-    def centered(y, p):
-        per_example = keras.ops.mean(keras.ops.square(y - p), axis=-1)
-        return per_example - keras.ops.mean(per_example)
-
     x, y = rng.normal(size=(8, 6)).astype("float32"), rng.normal(size=(8, 3)).astype("float32")
     model = PerExampleModel(_mlp(), aggregate.clip_mean(1.0))
     model.compile(optimizer="sgd", loss="mse")
     model.fit(x, y, batch_size=8, verbose=0)
-    model.compile(optimizer="sgd", loss=centered)
+    model.compile(optimizer="sgd", loss=_centered_loss)
     with pytest.raises(pergrad.MixesExamplesError):
         model.fit(x, y, batch_size=8, verbose=0)
 
 
 def test_a_batch_dependent_loss_is_refused(rng):
-    def centered(y, p):
-        per_example = keras.ops.mean(keras.ops.square(y - p), axis=-1)
-        return per_example - keras.ops.mean(per_example)
-
     model = PerExampleModel(_mlp(), aggregate.dp_mean(1.0, 1.0))
-    model.compile(optimizer="sgd", loss=centered)
+    model.compile(optimizer="sgd", loss=_centered_loss)
     x, y = rng.normal(size=(8, 6)).astype("float32"), rng.normal(size=(8, 3)).astype("float32")
     with pytest.raises(pergrad.MixesExamplesError):
         model.fit(x, y, batch_size=8, verbose=0)
@@ -249,7 +247,7 @@ def test_numpy_scalars_are_accepted_and_non_integers_refused():
                             expected_batch_size=np.int64(64))
     assert agg.config["expected_batch_size"] == 64 and agg.config["seed"] == 3
     assert aggregate.trimmed_mean(np.float32(0.25)).config["fraction"] == 0.25
-    with pytest.raises(ValueError, match="expected_batch_size must be an integer"):
+    with pytest.raises(ValueError, match="expected_batch_size must be a whole number"):
         aggregate.dp_mean(1.0, 1.0, expected_batch_size=2.5)
     with pytest.raises(ValueError, match="l2_norm_clip"):
         aggregate.clip_mean(True)

@@ -67,7 +67,7 @@ def test_bad_method_arguments():
     model = keras.Sequential([keras.Input((3,)), L.Dense(2)])
     pex = pergrad.PerExample(model, "mse")
     x, y = np.ones((4, 3)), np.ones((4, 2))
-    with pytest.raises(ValueError, match="l2_norm_clip must be > 0"):
+    with pytest.raises(ValueError, match="l2_norm_clip must be a finite number > 0"):
         pex.clipped_sum(x, y, 0.0)
     with pytest.raises(ValueError, match="expected \\(3, 2\\)"):
         pex.dot(x, y, [np.ones((2, 3)), np.ones(2)])
@@ -619,7 +619,7 @@ def test_numeric_arguments_accept_numpy_scalars(float64):
     (lambda m: pergrad.PerExample(m, "mse").clipped_sum(_X, _Y, np.float32(np.inf)),
      "l2_norm_clip must be a finite number"),
     (lambda m: pergrad.PerExample(m, "mse").clipped_sum(_X, _Y, np.float32(-1.0)),
-     "l2_norm_clip must be > 0"),
+     "l2_norm_clip must be a finite number > 0"),
     (lambda m: pergrad.PerExample(m, "mse").check(_X, _Y, rtol=np.float64(np.nan)),
      "rtol must be a finite number"),
     (lambda m: pergrad.PerExample(m, "mse").example_mixing(_X, _Y, num_examples=0),

@@ -19,8 +19,6 @@ Like an optax gradient transformation it is a small named tuple of pure function
 
 from __future__ import annotations
 
-import math
-import numbers
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -213,35 +211,6 @@ def gathering_local(result, batch: Batch) -> Partial:
         mask = tf.reshape(include, [-1] + [1] * (g.shape.rank - 1))
         values.append(tf.where(mask, g, tf.zeros_like(g)))
     return Partial(values, rows, tf.cast(include, rows.dtype), dropped)
-
-
-def check_number(name: str, value, minimum: float | None = None, strict: bool = False,
-                 below: float | None = None) -> float:
-    """``value`` as a finite Python float (numpy scalars accepted, bools refused), checked
-    against ``value >= minimum`` (``> minimum`` if ``strict``) and ``value < below``."""
-    if below is not None:
-        wanted = f"in {'(' if strict else '['}{minimum:g}, {below:g})"
-    elif minimum is not None:
-        wanted = f"a finite number {'>' if strict else '>='} {minimum:g}"
-    else:
-        wanted = "a finite number"
-    if isinstance(value, bool) or not isinstance(value, numbers.Real) \
-            or not math.isfinite(float(value)) \
-            or (minimum is not None and (value <= minimum if strict else value < minimum)) \
-            or (below is not None and not value < below):
-        raise ValueError(f"{name} must be {wanted}, got {value!r}.")
-    return float(value)
-
-
-def check_integer(name: str, value, minimum: int = 1) -> int:
-    """``value`` as a Python int ``>= minimum`` (numpy integers, and floats with no fractional
-    part, accepted; ``2.5`` and bools refused rather than rounded)."""
-    if isinstance(value, bool) or not isinstance(value, numbers.Real) \
-            or not math.isfinite(float(value)) or float(value) != int(value):
-        raise ValueError(f"{name} must be an integer, got {value!r}.")
-    if int(value) < minimum:
-        raise ValueError(f"{name} must be >= {minimum}, got {value!r}.")
-    return int(value)
 
 
 def require_rows(rows, name: str):

@@ -18,18 +18,17 @@ import tensorflow as tf
 from pergrad.aggregate.base import (
     Aggregator,
     Partial,
-    check_integer,
-    check_number,
     linear_local,
     register,
     require_rows,
 )
 from pergrad.aggregate.noise import NoiseSource, split
 from pergrad.engine import clip_factors
+from pergrad.engine.arguments import integer, real
 
 
 def _check_positive(name: str, value) -> float:
-    return check_number(name, value, minimum=0.0, strict=True)
+    return real(value, name, minimum=0.0, strict=True)
 
 
 def _divide(partial: Partial, divisor=None, name: str = "mean") -> list:
@@ -102,11 +101,11 @@ def dp_mean(l2_norm_clip: float, noise_multiplier: float, seed: int | None = Non
     replica draws the same numbers, so the noise is added once.
     """
     clip = _check_positive("l2_norm_clip", l2_norm_clip)
-    sigma = check_number("noise_multiplier", noise_multiplier, minimum=0.0)
+    sigma = real(noise_multiplier, "noise_multiplier", minimum=0.0)
     if expected_batch_size is not None:
-        expected_batch_size = check_integer("expected_batch_size", expected_batch_size)
+        expected_batch_size = integer(expected_batch_size, "expected_batch_size")
     if seed is not None:
-        seed = check_integer("seed", seed, minimum=0)
+        seed = integer(seed, "seed", minimum=0)
     stddev = clip * sigma
 
     def finalize(partial: Partial, key) -> list:

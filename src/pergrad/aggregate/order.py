@@ -15,11 +15,11 @@ import tensorflow as tf
 from pergrad.aggregate.base import (
     Aggregator,
     Partial,
-    check_number,
     gathering_local,
     register,
     require_rows,
 )
+from pergrad.engine.arguments import real
 
 
 def _sorted_included(v: tf.Tensor, include: tf.Tensor) -> tf.Tensor:
@@ -58,7 +58,7 @@ def trimmed_mean(fraction: float) -> Aggregator:
     smallest and ``k`` largest of the ``n`` included values and average the other ``n - 2k``.
     ``fraction`` must lie in ``[0, 0.5)``; ``fraction=0`` is the mean over included examples.
     """
-    fraction = check_number("fraction", fraction, minimum=0.0, below=0.5)
+    fraction = real(fraction, "fraction", minimum=0.0, below=0.5)
 
     def finalize(partial: Partial, key) -> list:
         require_rows(partial.rows, "trimmed_mean")

@@ -14,7 +14,7 @@ interleaved, the median block over repeats is reported per step.
 Nothing here asserts on timings.
 
     python benchmarks/bench_monitor.py            # the table in docs/analysis.md
-    python benchmarks/bench_monitor.py --quick    # fewer repeats
+    python benchmarks/bench_monitor.py --quick    # batch 32, fewer repeats (a smoke test)
 """
 
 from __future__ import annotations
@@ -35,12 +35,12 @@ LOSS = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
 BATCH = 256
 
 
-def _step_fn(name: str, monitor: GradientMonitor | None):
+def _step_fn(name: str, monitor: GradientMonitor | None, size: int = BATCH):
     """One compiled training step of ``name`` (same initial weights for both variants)."""
     keras.utils.set_random_seed(0)
     model = PerExampleModel(MODELS[name](), monitor=monitor)
     model.compile(optimizer=keras.optimizers.SGD(1e-3), loss=LOSS)
-    x, y = batch(name, BATCH)
+    x, y = batch(name, size)
     data = tf.data.Dataset.from_tensors((x, y)).repeat()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # derived-index warning: one fixed batch
@@ -63,13 +63,14 @@ BLOCK = 10
 def run(quick: bool = False, models: tuple[str, ...] = ("cnn", "transformer")) -> list[dict]:
     """One dict per model: median seconds per step without the monitor, with it at every step
     and every 10th step, and the ratios to the step without it."""
-    repeats = 2 if quick else 7
+    repeats, size = (2, 32) if quick else (7, BATCH)
     rows = []
     for name in models:
         variants = {
-            "plain": _step_fn(name, None),
-            "every_step": _step_fn(name, GradientMonitor(num_examples=BATCH)),
-            "every_10": _step_fn(name, GradientMonitor(every_n_steps=BLOCK, num_examples=BATCH)),
+            "plain": _step_fn(name, None, size),
+            "every_step": _step_fn(name, GradientMonitor(num_examples=size), size),
+            "every_10": _step_fn(name, GradientMonitor(every_n_steps=BLOCK, num_examples=size),
+                                 size),
         }
         for fn in variants.values():
             fn()  # warm-up
@@ -82,7 +83,7 @@ def run(quick: bool = False, models: tuple[str, ...] = ("cnn", "transformer")) -
                     variants[key]()
                 times[key].append((time.perf_counter() - start) / BLOCK)
         plain, every, every_10 = (statistics.median(times[k]) for k in variants)
-        rows.append({"model": name, "batch": BATCH, "plain_s": plain, "monitor_s": every,
+        rows.append({"model": name, "batch": size, "plain_s": plain, "monitor_s": every,
                      "ratio": every / plain, "monitor_every_10_s": every_10,
                      "ratio_every_10": every_10 / plain, "repeats": repeats})
     return rows
@@ -99,7 +100,7 @@ def markdown(rows: list[dict]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    return script_main(__doc__.splitlines()[0], run, markdown, argv, quick_help="fewer repeats")
+    return script_main(__doc__.splitlines()[0], run, markdown, argv, quick_help="batch 32, fewer repeats")
 
 
 if __name__ == "__main__":
