@@ -295,3 +295,31 @@ def test_norm_only_aggregators_never_materialize(rng, monkeypatch):
 def test_cross_replica_is_identity_without_strategy(rng):
     partial = aggregate.Partial([tf.ones(3)], tf.constant(2.0), None, tf.constant(0.0))
     assert aggregate.cross_replica(partial, gathers=False) is partial
+
+
+def test_custom_sees_each_examples_loss_and_predictions(float64, rng):
+    """``fn(grads, norms, losses, predictions)``: weights from the losses and the predictions,
+    checked against the loop oracle's gradients and Keras's own predictions."""
+    model = _model()
+    x, y = _data(rng)
+    w = rng.uniform(0.5, 1.5, size=B)
+    grads, _ = loop_gradients(model, _loss, x, y, w)
+    predictions = model(x).numpy()
+    losses = w * np.mean((y - predictions) ** 2, axis=-1)
+    seen = {}
+
+    def by_loss_and_output(grads, norms, losses, predictions):
+        seen["names"] = True
+        weights = tf.exp(-losses) * tf.reduce_sum(tf.square(predictions), axis=-1)
+        return [tf.tensordot(weights, g, axes=1) for g in grads]
+
+    weights = np.exp(-losses) * np.sum(predictions ** 2, axis=-1)
+    expected = [np.tensordot(weights, g, axes=1) for g in grads]
+    _check(_run(aggregate.custom(by_loss_and_output), model, x, y, w), expected, "custom+extras")
+
+    def with_kwargs(grads, norms, **extra):
+        seen["kwargs"] = sorted(extra)
+        return [tf.reduce_sum(g, axis=0) for g in grads]
+
+    _run(aggregate.custom(with_kwargs), model, x, y)
+    assert seen == {"names": True, "kwargs": ["losses", "predictions"]}

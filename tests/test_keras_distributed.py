@@ -55,12 +55,18 @@ SCRIPT = textwrap.dedent(r"""
 
     strategy = tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])
     out = {"replicas": strategy.num_replicas_in_sync}
+    def by_loss(grads, norms, losses, predictions):
+        # Examples weighted by softmax(-loss) and their top logit: needs the gathered extras.
+        weights = tf.nn.softmax(-losses) * tf.reduce_max(predictions, axis=-1)
+        return [tf.tensordot(weights, g, axes=1) for g in grads]
+
     # One aggregator per model: a seeded dp_mean feeds one noise stream; two built with the same
     # seed draw the same noise, which is what makes one device and two comparable.
     for name, make in [("mean", aggregate.mean), ("clip_mean", lambda: aggregate.clip_mean(0.5)),
                        ("median", aggregate.median),
                        ("trimmed_mean", lambda: aggregate.trimmed_mean(0.2)),
-                       ("dp_mean", lambda: aggregate.dp_mean(0.5, 1.0, seed=11))]:
+                       ("dp_mean", lambda: aggregate.dp_mean(0.5, 1.0, seed=11)),
+                       ("custom_by_loss", lambda: aggregate.custom(by_loss))]:
         one, h1 = train(make())
         two, h2 = train(make(), strategy)
         out[name] = {"weights": max_diff(one, two),
@@ -116,7 +122,8 @@ def test_two_replicas(measured):
     assert measured["replicas"] == 2
 
 
-@pytest.mark.parametrize("name", ["mean", "clip_mean", "median", "trimmed_mean", "dp_mean"])
+@pytest.mark.parametrize("name", ["mean", "clip_mean", "median", "trimmed_mean", "dp_mean",
+                                  "custom_by_loss"])
 def test_matches_one_device(measured, name):
     """Deterministic aggregators, and dp_mean with a fixed seed (the same noise draw), give the
     same weights and reported loss on two replicas as on one device."""

@@ -8,7 +8,7 @@
 ``normalized_mean()``  ``(1/B) sum_i g_i / (||g_i|| + gamma)``
 ``median()``           coordinate-wise median of the ``g_i``
 ``trimmed_mean(f)``    coordinate-wise mean without the ``floor(f n)`` smallest and largest
-``custom(fn)``         ``fn(per_example_grads, norms)``
+``custom(fn)``         ``fn(per_example_grads, norms[, losses=, predictions=])``
 =====================  ========================================================================
 
 Use one inside ``pergrad.keras.PerExampleModel`` or directly: ``grads = agg(result)`` for a

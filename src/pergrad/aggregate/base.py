@@ -38,12 +38,16 @@ class Partial(NamedTuple):
         include: gathering aggregators only: ``(B,)`` float, 1 for the examples that count
             (finite and of nonzero weight), 0 for the rest; ``None`` for linear aggregators.
         dropped: number of examples dropped for a non-finite gradient or loss (float scalar).
+        examples: gathering aggregators that ask for them (``custom`` with ``losses`` or
+            ``predictions`` parameters): ``{"losses": (B,), "predictions": ...}``, rows of
+            excluded examples zeroed, gathered across replicas like ``values``; else ``None``.
     """
 
     values: list
     rows: tf.Tensor
     include: tf.Tensor | None
     dropped: tf.Tensor
+    examples: dict | None = None
 
 
 class Aggregator(NamedTuple):
@@ -137,11 +141,15 @@ def cross_replica(partial: Partial, gathers: bool) -> Partial:
     if not gathers:
         values = context.all_reduce(tf.distribute.ReduceOp.SUM, list(partial.values))
         return Partial(list(values), rows, None, dropped)
-    # all_gather forgets static shapes; the non-batch dimensions are known, restore them.
-    values = [tf.reshape(context.all_gather(v, axis=0), [-1, *v.shape[1:]])
-              for v in partial.values]
-    include = tf.reshape(context.all_gather(partial.include, axis=0), [-1])
-    return Partial(values, rows, include, dropped)
+
+    def gather(v):  # all_gather forgets static shapes; the non-batch dimensions are known
+        return tf.reshape(context.all_gather(v, axis=0), [-1, *v.shape[1:]])
+
+    values = [gather(v) for v in partial.values]
+    include = gather(partial.include)
+    examples = None if partial.examples is None else tf.nest.map_structure(gather,
+                                                                          partial.examples)
+    return Partial(values, rows, include, dropped, examples)
 
 
 # -- helpers shared by the aggregator modules ------------------------------------------------------
@@ -197,8 +205,9 @@ def linear_local(coefficients: Callable[[list, Batch], Any], needs_norms: bool):
     return local
 
 
-def gathering_local(result, batch: Batch) -> Partial:
-    """``local`` for order statistics: all ``g_i`` (zeroed where not included) and the mask."""
+def gathering_local(result, batch: Batch, with_examples: bool = False) -> Partial:
+    """``local`` for order statistics: all ``g_i`` (zeroed where not included) and the mask;
+    with ``with_examples`` also each example's loss and predictions (zeroed likewise)."""
     rows = tf.cast(result.batch_size, result.norm_dtype)
     if tf.get_static_value(rows) == 0:
         require_rows(rows, "gathering (median, trimmed_mean, custom)")
@@ -206,11 +215,17 @@ def gathering_local(result, batch: Batch) -> Partial:
     keep = finite_examples(result, squared, batch)
     dropped = tf.reduce_sum(1.0 - tf.cast(keep, rows.dtype))
     include = tf.logical_and(keep, batch.nonzero_weight)
-    values = []
-    for g in result.gradients():
-        mask = tf.reshape(include, [-1] + [1] * (g.shape.rank - 1))
-        values.append(tf.where(mask, g, tf.zeros_like(g)))
-    return Partial(values, rows, tf.cast(include, rows.dtype), dropped)
+
+    def zero_excluded(t):
+        mask = tf.reshape(include, [-1] + [1] * (t.shape.rank - 1))
+        return tf.where(mask, t, tf.zeros_like(t))
+
+    values = [zero_excluded(g) for g in result.gradients()]
+    examples = None
+    if with_examples:
+        examples = {"losses": zero_excluded(result.losses),
+                    "predictions": tf.nest.map_structure(zero_excluded, result.predictions)}
+    return Partial(values, rows, tf.cast(include, rows.dtype), dropped, examples)
 
 
 def require_rows(rows, name: str):

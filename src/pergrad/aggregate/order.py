@@ -8,6 +8,7 @@ Under ``tf.distribute`` the per-example gradients of all replicas are gathered
 
 from __future__ import annotations
 
+import inspect
 import math
 
 import tensorflow as tf
@@ -84,11 +85,20 @@ def custom(fn) -> Aggregator:
     ``per_example_grads`` is a list aligned with the trainable variables, each ``(B, *var.shape)``
     (rows of dropped or zero-weight examples are zero); ``norms`` is ``||g_i||``, ``(B,)``. ``fn``
     must return one tensor per variable with the variable's shape, traceable by ``tf.function``.
+
+    If ``fn`` has a parameter named ``losses`` or ``predictions`` (or ``**kwargs``), it also
+    receives them by keyword: ``losses`` is ``w_i l_i``, ``(B,)`` (sample weights applied), and
+    ``predictions`` the model's outputs for the batch (a tensor, or the model's list/dict of
+    them), rows of dropped or zero-weight examples zero like the gradients. Under
+    ``tf.distribute`` both are gathered over the replicas with the gradients. So
+    ``fn(grads, norms, losses, predictions)`` can weight examples by their loss or confidence.
+
     To save a model that uses it, register ``fn`` with
     ``keras.saving.register_keras_serializable``.
     """
     if not callable(fn):
         raise TypeError(f"custom(fn) needs a callable, got {fn!r}.")
+    wanted = _example_keywords(fn)
 
     def finalize(partial: Partial, key) -> list:
         values = list(partial.values)
@@ -96,7 +106,8 @@ def custom(fn) -> Aggregator:
         norms = tf.sqrt(tf.add_n([
             tf.reduce_sum(tf.square(tf.reshape(tf.cast(v, dtype), [tf.shape(v)[0], -1])), axis=1)
             for v in values]))
-        out = fn(values, norms)
+        extras = {name: partial.examples[name] for name in wanted}
+        out = fn(values, norms, **extras)
         out = list(out) if isinstance(out, (list, tuple)) else [out]
         if len(out) != len(values):
             raise ValueError(f"The custom aggregator {getattr(fn, '__name__', fn)!r} returned "
@@ -112,4 +123,21 @@ def custom(fn) -> Aggregator:
             checked.append(tf.cast(g, v.dtype))
         return checked
 
-    return Aggregator("custom", {"fn": fn}, gathering_local, finalize, gathers=True)
+    def local(result, batch) -> Partial:
+        return gathering_local(result, batch, with_examples=bool(wanted))
+
+    return Aggregator("custom", {"fn": fn}, local, finalize, gathers=True)
+
+
+_EXAMPLE_KEYWORDS = ("losses", "predictions")
+
+
+def _example_keywords(fn) -> tuple[str, ...]:
+    """Which of ``losses``/``predictions`` ``fn`` accepts by name (all with ``**kwargs``)."""
+    try:
+        parameters = inspect.signature(fn).parameters
+    except (TypeError, ValueError):  # a builtin or C callable: the two-argument form
+        return ()
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values()):
+        return _EXAMPLE_KEYWORDS
+    return tuple(name for name in _EXAMPLE_KEYWORDS if name in parameters)
