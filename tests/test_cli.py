@@ -31,6 +31,11 @@ def test_analyze_writes_the_report_and_finds_flipped_labels(tmp_path):
     assert summary["epochs"] == 3 and summary["examples"] == 1437
     detection = summary["label_noise_detection"]["conflict_with_rest"]
     assert detection["k"] == round(0.2 * 1437)
+    from pergrad import demo  # the flips are listed, as the demo made them from the clean labels
+    (_, clean), _ = demo.load_digits_split(seed=1)
+    noisy, flipped = demo.flip_labels(clean, 0.2, seed=1)
+    assert summary["flipped"] == [{"index": int(i), "given": int(noisy[i]), "true": int(clean[i])}
+                                  for i in np.flatnonzero(flipped)]
     assert detection["roc_auc"] > 0.7, detection  # random ranking gives 0.5
     header = (out / "metrics.csv").read_text().splitlines()[0].split(",")
     assert {"step", "loss", "noise_scale", "fraction_against_rest", "norm_p50"} <= set(header)

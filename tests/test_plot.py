@@ -54,6 +54,8 @@ def test_training_report_from_csv_and_monitor(trained, tmp_path):
     png = tmp_path / "report.png"
     figure = training_report(str(csv_path), path=png)
     assert isinstance(figure, Figure) and len(figure.axes) >= 6
+    for ax in figure.axes:  # a person can read every panel: a title and both axes labelled
+        assert ax.get_title() and ax.get_xlabel() == "step" and ax.get_ylabel(), ax.get_title()
     width, height = _png_size(png)
     assert 1000 <= width <= 2400 and 500 <= height <= 1200
     assert 10_000 < png.stat().st_size < 1_000_000
@@ -67,9 +69,33 @@ def test_conflicting_examples_grid(trained, tmp_path):
     titles = [ax.get_title() for ax in figure.axes if ax.get_title()]
     expected = monitor.most_conflicting(6)
     assert [int(t.split()[0][1:]) for t in titles] == expected.tolist()
-    assert f"label {labels[expected[0]]}" in titles[0]
+    assert f"given {labels[expected[0]]}" in titles[0] and "true" not in titles[0]
     width, height = _png_size(png)
     assert width > 200 and height > 200
+
+
+def test_conflicting_examples_marks_the_injected_flips(trained):
+    monitor, _, images, labels = trained
+    clean = labels.copy()
+    clean[[5, 17]] = (labels[[5, 17]] - 1) % 3  # the fixture flipped these two
+    figure = conflicting_examples(monitor, images, labels, k=N, true_labels=clean)
+    for ax in figure.axes:
+        if not ax.get_title():
+            continue
+        index = int(ax.get_title().split()[0][1:])
+        marked = f"true {clean[index]}" in ax.get_title()
+        assert marked == (index in (5, 17)), ax.get_title()
+        assert ax.get_frame_on() == marked
+        if marked:
+            assert tuple(ax.spines["top"].get_edgecolor()[:3]) == (1.0, 0.0, 0.0)
+    assert figure.get_suptitle().endswith("2 of 32)")
+
+
+def test_smooth_is_a_moving_average_ignoring_gaps():
+    from pergrad.plot.report import smooth
+    values = np.array([1.0, 2.0, np.nan, 4.0, 5.0])
+    np.testing.assert_allclose(smooth(values, 3), [1.5, 1.5, 3.0, 4.5, 4.5])
+    np.testing.assert_allclose(smooth(values, 1)[[0, 1, 3, 4]], [1, 2, 4, 5])
 
 
 def test_errors(trained):

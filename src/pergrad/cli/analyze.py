@@ -105,6 +105,8 @@ def run(args: argparse.Namespace) -> int:
         "most_conflicting": [int(i) for i in order[:16]],
         "mean_cosine_to_rest_of_most_conflicting": [float(table["mean_cosine_to_rest"][i])
                                                     for i in order[:16]],
+        "flipped": [{"index": int(i), "given": int(y_train[i]), "true": int(y_clean[i])}
+                    for i in np.flatnonzero(flipped)],
     }
     if flipped.any():
         summary["label_noise_detection"] = {
@@ -114,7 +116,8 @@ def run(args: argparse.Namespace) -> int:
         }
     plot.training_report(monitor, path=os.path.join(args.out, "report.png"))
     plot.conflicting_examples(monitor, x_train[..., 0], y_train, k=16,
-                              path=os.path.join(args.out, "conflicting_examples.png"))
+                              path=os.path.join(args.out, "conflicting_examples.png"),
+                              true_labels=y_clean if flipped.any() else None)
     with open(os.path.join(args.out, "summary.json"), "w") as handle:
         json.dump(summary, handle, indent=1)
 

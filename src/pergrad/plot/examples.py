@@ -33,19 +33,24 @@ def _image(value: Any) -> np.ndarray:
 
 
 def conflicting_examples(monitor: Any, images: Any, labels: Any, k: int = 16,
-                         path: str | os.PathLike | None = None) -> Figure:
+                         path: str | os.PathLike | None = None,
+                         true_labels: Any = None) -> Figure:
     """A grid of the ``k`` examples whose gradients fought the rest of their batches most
     (``monitor.most_conflicting(k)``: lowest mean cosine to the consensus of the other examples).
 
-    Each title gives the example index, its label, its mean ``cosine_to_rest`` and how often it
-    pointed against the rest (``against / seen``).
+    Each title gives the example index and the label it was trained with (``given``), then its
+    mean cosine to the rest of its batches and how often it pointed against them (``against
+    a of b`` batches it was seen in). With ``true_labels`` (when label noise was injected on
+    purpose), an example whose given label is wrong says ``true t`` and gets a red frame, so a
+    person can check the ranking at a glance.
 
     Args:
         monitor: a ``GradientMonitor`` that tracked examples while training.
         images: the training images, indexed like the monitor's example indices,
             ``(N, H, W)``, ``(N, H, W, C)`` or channels-first.
-        labels: ``(N,)`` labels or ``(N, classes)`` one-hot.
+        labels: ``(N,)`` labels or ``(N, classes)`` one-hot: the labels trained on.
         path: where to write a PNG (``None``: only return the figure).
+        true_labels: optional clean labels, same form as ``labels``.
     """
     indices = monitor.most_conflicting(k)
     if len(indices) == 0:
@@ -60,13 +65,27 @@ def conflicting_examples(monitor: Any, images: Any, labels: Any, k: int = 16,
     fig = new_figure(1.9 * columns, 2.1 * rows)
     axes = np.atleast_1d(fig.subplots(rows, columns)).ravel()
     for ax in axes:
-        ax.axis("off")
+        ax.set_xticks([])
+        ax.set_yticks([])
+        ax.set_frame_on(False)
+    wrong = 0
     for ax, index in zip(axes, indices, strict=False):
         image = _image(images[index])
         ax.imshow(image, cmap="gray" if image.ndim == 2 else None)
-        ax.set_title(f"#{index} label {_label(labels[index])}\n"
-                     f"cos {table['mean_cosine_to_rest'][index]:+.2f}, against "
-                     f"{table['against_rest'][index]}/{table['seen'][index]}", fontsize=8)
-    fig.suptitle("Examples whose gradients fight the rest of their batches", fontsize=10)
+        given = _label(labels[index])
+        title = f"#{index} given {given}"
+        if true_labels is not None and _label(true_labels[index]) != given:
+            wrong += 1
+            title += f", true {_label(true_labels[index])}"
+            ax.set_frame_on(True)
+            for spine in ax.spines.values():
+                spine.set(color="red", linewidth=3)
+        ax.set_title(f"{title}\ncos {table['mean_cosine_to_rest'][index]:+.2f}, against "
+                     f"{table['against_rest'][index]} of {table['seen'][index]}", fontsize=8,
+                     color="red" if "true" in title else "black")
+    heading = "Examples whose gradients fight the rest of their batches"
+    if true_labels is not None:
+        heading += f" (red: label flipped on purpose, {wrong} of {len(indices)})"
+    fig.suptitle(heading, fontsize=10)
     save(fig, path)
     return fig
