@@ -566,8 +566,9 @@ def test_generic_layers_under_mixed_float16_match_the_float64_oracle(dtype_polic
     rng = np.random.default_rng(12)
     x, y = rng.normal(size=(5, 6, 6, 2)), rng.integers(0, 3, 5)
     pex = pergrad.PerExample(model, zoo.SCCE)
-    assert {type(layer).__name__ for layer in pex.plan.generic} == {
-        "DepthwiseConv2D", "SeparableConv2D", "Conv2DTranspose", "LSTM", "GRU"}
+    # LSTM and GRU take the generic rule; the convolutions have rules of their own now, and
+    # this model checks them under mixed precision too.
+    assert {"LSTM", "GRU"} <= {type(layer).__name__ for layer in pex.plan.generic}
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", RuntimeWarning)  # SeparableConv2D: no pfor converter
         grads, norms = pex.gradients(x, y), pex.norms(x, y)

@@ -78,7 +78,15 @@ def registered_layer_classes() -> list[type]:
 
 
 # Importing the rule modules registers them.
-from pergrad.rules import conv, dense, einsum_dense, embedding, normalization  # noqa: E402,F401
+from pergrad.rules import (  # noqa: E402,F401
+    conv,
+    conv_transpose,
+    dense,
+    depthwise,
+    einsum_dense,
+    embedding,
+    normalization,
+)
 
 __all__ = ["Factored", "Form", "LayerCall", "Materialized", "Rows", "Rule", "combine",
            "find_rule", "plain_weights", "register", "registered_layer_classes", "unbroadcast"]

@@ -1,0 +1,70 @@
+"""Conv1DTranspose / Conv2DTranspose / Conv3DTranspose: any strides, dilation (with stride 1, as
+Keras allows), ``valid``/``same`` padding, ``output_padding``, ``channels_last`` and
+``channels_first``.
+
+A transposed convolution ``y = conv_transpose(x, W)`` (kernel ``W[K, o, c]``: offset ``K``,
+filter ``o``, input channel ``c``) is the adjoint of the convolution ``z = conv(y, W)`` that maps
+the layer's *output* space back to its input space: ``y[t*s + K*d - pad, o] += W[K, o, c]
+x[t, c]``. With ``P_i[t, K, o]`` the patch of the pre-activation output gradient ``D_i`` that input
+position ``t`` of example ``i`` sees (taken with the layer's strides and dilation, and the padding
+TensorFlow derives for a convolution of ``y``'s size, which Keras's output-shape formula,
+``output_padding`` included, makes consistent with ``x``'s size),
+
+    dL_i/dW[K, o, c] = sum_t P_i[t, K, o] x_i[t, c]        dL_i/db = sum_t D_i[t]
+
+a ``Factored`` form with ``A = P`` (patches of the output gradient) and ``D = x`` (the layer
+input): the roles of input and output gradient swap with respect to :mod:`pergrad.rules.conv`.
+"""
+
+from __future__ import annotations
+
+import keras
+import tensorflow as tf
+
+from pergrad.rules import LayerCall, plain_weights, register
+from pergrad.rules.conv import _channels_last, extract_patches
+from pergrad.rules.forms import Factored, Materialized, positions
+
+
+def conv_transpose_rule(layer, call: LayerCall, grad: tf.Tensor) -> list:
+    dtype = layer.kernel.dtype
+    x = _channels_last(tf.cast(call.args[0], dtype), layer.data_format)
+    d = _channels_last(tf.cast(grad, dtype), layer.data_format)
+    c_in, filters = x.shape[-1], layer.filters
+    # (B, *x_spatial, K, filters): the output-gradient patch each input position sees.
+    patches = extract_patches(d, layer.kernel_size, layer.strides, layer.dilation_rate,
+                              layer.padding)
+    batch = tf.shape(x)[0]
+    k = patches.shape[-2]
+    t = positions(x.shape[1:-1])
+    a = tf.reshape(patches, [batch, t, 1, k * filters])
+    xx = tf.reshape(x, [batch, t, 1, c_in])
+    natural = (*layer.kernel_size, filters, 1, c_in)
+
+    def summed(coefficients: tf.Tensor) -> tf.Tensor:
+        weights = tf.cast(coefficients, dtype)[(slice(None),) + (None,) * (d.shape.rank - 1)]
+        return _filter_gradient(layer, x, d * weights)
+
+    forms = [Factored(layer.kernel, a, xx, natural, summed=summed)]
+    if layer.use_bias:
+        forms.append(Materialized(layer.bias,
+                                  tf.reduce_sum(tf.reshape(d, [batch, -1, filters]), 1)))
+    return forms
+
+
+def _filter_gradient(layer, x: tf.Tensor, d: tf.Tensor) -> tf.Tensor:
+    """``sum_i P_i^T x_i``: the ordinary (batch) kernel gradient of ``<conv_transpose(x, W), d>``,
+    by TensorFlow's native filter-gradient kernel (channels last, whatever the layer's format)."""
+    kernel = tf.zeros(layer.kernel.shape, x.dtype)
+    with tf.GradientTape() as tape:
+        tape.watch(kernel)
+        out = keras.ops.conv_transpose(x, kernel, strides=layer.strides, padding=layer.padding,
+                                       output_padding=layer.output_padding,
+                                       data_format="channels_last",
+                                       dilation_rate=layer.dilation_rate)
+    return tape.gradient(out, kernel, output_gradients=d)
+
+
+for _cls in (keras.layers.Conv1DTranspose, keras.layers.Conv2DTranspose,
+             keras.layers.Conv3DTranspose):
+    register(_cls, splits_activation=True, applies=plain_weights)(conv_transpose_rule)

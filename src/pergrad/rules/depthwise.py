@@ -1,0 +1,108 @@
+"""DepthwiseConv1D / DepthwiseConv2D and SeparableConv1D / SeparableConv2D: any strides, dilation,
+``valid``/``same`` padding, ``depth_multiplier``, ``channels_last`` and ``channels_first``.
+
+A depthwise kernel ``W`` of shape ``(*k, C, M)`` maps channel ``c`` to outputs ``c*M + m``. With
+``P_i[t, K, c]`` the input patch that output position ``t`` of example ``i`` sees and ``D_i[t, c*M + m]``
+the gradient at the pre-activation output,
+
+    dL_i/dW[K, c, m] = sum_t P_i[t, K, c] D_i[t, c*M + m]        dL_i/db = sum_t D_i[t]
+
+a ``Factored`` form with one group per input channel (``A = P``, ``I = K``, ``G = C``, ``O = M``),
+whose natural layout ``(*k, C, M)`` is the kernel's own.
+
+A separable convolution is a depthwise one giving ``Z_i[t] = sum_K P_i[t, K] W_d[K]`` followed by
+a pointwise (1x1) kernel ``W_p`` of shape ``(1.., C*M, F)``:
+
+    dL_i/dW_p[j, f] = sum_t Z_i[t, j] D_i[t, f]                  (``Factored``, ``A = Z``)
+    dL_i/dW_d       = the depthwise formula with D_mid = D W_p^T  (the 1x1 convolution's backward)
+"""
+
+from __future__ import annotations
+
+import keras
+import tensorflow as tf
+
+from pergrad.rules import LayerCall, plain_weights, register
+from pergrad.rules.conv import _channels_last, extract_patches, pad_input
+from pergrad.rules.forms import Factored, Materialized, positions
+
+
+def _patches(layer, x: tf.Tensor) -> tf.Tensor:
+    """``(B, T, C, K)``: the patches of channels-last ``x``, one group per channel."""
+    patches = extract_patches(x, layer.kernel_size, layer.strides, layer.dilation_rate,
+                              layer.padding)  # (B, *out, K, C)
+    t = positions(patches.shape[1:-2])
+    k, c = patches.shape[-2], patches.shape[-1]
+    return tf.transpose(tf.reshape(patches, [tf.shape(x)[0], t, k, c]), [0, 1, 3, 2])
+
+
+def _depthwise_form(layer, kernel, x: tf.Tensor, a: tf.Tensor, d: tf.Tensor) -> Factored:
+    """The ``Factored`` form of depthwise ``kernel`` ``(*k, C, M)`` from patches ``a``
+    ``(B, T, C, K)`` and the channels-last gradient ``d`` at the depthwise output ``(B, *out, C*M)``."""
+    c, m = kernel.shape[-2], kernel.shape[-1]
+    dd = tf.reshape(d, [tf.shape(d)[0], a.shape[1] if a.shape[1] is not None else -1, c, m])
+
+    def summed(coefficients: tf.Tensor) -> tf.Tensor:
+        weights = tf.cast(coefficients, d.dtype)[(slice(None),) + (None,) * (d.shape.rank - 1)]
+        return _filter_gradient(layer, kernel, x, d * weights)
+
+    return Factored(kernel, a, dd, (*layer.kernel_size, c, m), summed=summed)
+
+
+def _filter_gradient(layer, kernel, x: tf.Tensor, d: tf.Tensor) -> tf.Tensor:
+    """``sum_i P_i^T D_i`` by TensorFlow's native depthwise filter-gradient kernel."""
+    padded, _ = pad_input(x, layer.kernel_size, layer.strides, layer.dilation_rate, layer.padding)
+    zeros = tf.zeros(kernel.shape, x.dtype)
+    with tf.GradientTape() as tape:
+        tape.watch(zeros)
+        out = keras.ops.depthwise_conv(padded, zeros, strides=layer.strides, padding="valid",
+                                       dilation_rate=layer.dilation_rate,
+                                       data_format="channels_last")
+    return tape.gradient(out, zeros, output_gradients=d)
+
+
+def _bias(layer, d: tf.Tensor) -> list:
+    if not layer.use_bias:
+        return []
+    return [Materialized(layer.bias, tf.reduce_sum(
+        tf.reshape(d, [tf.shape(d)[0], -1, d.shape[-1]]), 1))]
+
+
+def depthwise_rule(layer, call: LayerCall, grad: tf.Tensor) -> list:
+    dtype = layer.kernel.dtype
+    x = _channels_last(tf.cast(call.args[0], dtype), layer.data_format)
+    d = _channels_last(tf.cast(grad, dtype), layer.data_format)
+    return [_depthwise_form(layer, layer.kernel, x, _patches(layer, x), d), *_bias(layer, d)]
+
+
+def separable_rule(layer, call: LayerCall, grad: tf.Tensor) -> list:
+    depthwise, pointwise = layer.depthwise_kernel, layer.pointwise_kernel
+    dtype = depthwise.dtype
+    x = _channels_last(tf.cast(call.args[0], dtype), layer.data_format)
+    d = _channels_last(tf.cast(grad, dtype), layer.data_format)  # (B, *out, F)
+    a = _patches(layer, x)  # (B, T, C, K)
+    batch, t = tf.shape(x)[0], a.shape[1] if a.shape[1] is not None else -1
+    c, m = depthwise.shape[-2], depthwise.shape[-1]
+    w_d = tf.reshape(tf.cast(depthwise, dtype), [-1, c, m])  # (K, C, M)
+    w_p = tf.reshape(tf.cast(pointwise, dtype), [c * m, layer.filters])  # (C*M, F)
+    z = tf.reshape(tf.einsum("btck,kcm->btcm", a, w_d), [batch, t, 1, c * m])
+    flat_d = tf.reshape(d, [batch, t, layer.filters])
+    d_mid = tf.reshape(tf.matmul(flat_d, w_p, transpose_b=True), [*_shape(d)[:-1], c * m])
+    ones = (1,) * len(layer.kernel_size)
+    return [
+        _depthwise_form(layer, depthwise, x, a, d_mid),
+        Factored(pointwise, z, flat_d[:, :, None, :], (*ones, c * m, 1, layer.filters)),
+        *_bias(layer, d),
+    ]
+
+
+def _shape(t: tf.Tensor) -> list:
+    """``t``'s shape, static sizes as ints and the others as scalar tensors."""
+    dynamic = tf.shape(t)
+    return [int(n) if n is not None else dynamic[i] for i, n in enumerate(t.shape)]
+
+
+for _cls in (keras.layers.DepthwiseConv1D, keras.layers.DepthwiseConv2D):
+    register(_cls, splits_activation=True, applies=plain_weights)(depthwise_rule)
+for _cls in (keras.layers.SeparableConv1D, keras.layers.SeparableConv2D):
+    register(_cls, splits_activation=True, applies=plain_weights)(separable_rule)

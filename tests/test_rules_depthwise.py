@@ -1,0 +1,116 @@
+"""DepthwiseConv1D/2D and SeparableConv1D/2D rules against the float64 loop oracle."""
+
+from __future__ import annotations
+
+import keras
+import numpy as np
+import pytest
+import zoo
+from oracle import assert_close, keras_loss, loop_gradients
+
+import pergrad
+from pergrad.rules.depthwise import depthwise_rule, separable_rule
+
+L = keras.layers
+B = 4
+CHANNELS = 3
+FILTERS = 2  # of the separable layers
+
+# Sizes are chosen so that no output's last spatial size equals its channel count: Keras's
+# TensorFlow ``ops.add`` takes a bias of that size for an NHWC ``bias_add`` and adds a
+# ``channels_first`` layer's bias along the last spatial axis instead (Keras 3.15), which no
+# exact rule of the layer's documented formula matches.
+
+# (family, dims) -> (layer class, input spatial size, kernel size)
+LAYERS = {
+    ("depthwise", 1): (L.DepthwiseConv1D, (9,), 3),
+    ("depthwise", 2): (L.DepthwiseConv2D, (5, 7), (2, 3)),
+    ("separable", 1): (L.SeparableConv1D, (9,), 3),
+    ("separable", 2): (L.SeparableConv2D, (5, 7), (2, 3)),
+}
+RULES = {"depthwise": depthwise_rule, "separable": separable_rule}
+CASES = list(LAYERS)
+
+# (strides, padding, dilation_rate): TensorFlow refuses strides together with dilation.
+GEOMETRIES = [
+    (1, "valid", 1),
+    (1, "same", 1),
+    (2, "valid", 1),
+    (2, "same", 1),
+    (1, "valid", 2),
+    (1, "same", 2),
+]
+
+
+def _case(family: str, dims: int, strides, padding: str, dilation, depth_multiplier: int = 2,
+          data_format: str = "channels_last", use_bias: bool = True):
+    cls, size, kernel = LAYERS[family, dims]
+    shape = (*size, CHANNELS) if data_format == "channels_last" else (CHANNELS, *size)
+    inputs = keras.Input(shape)
+    kwargs = dict(strides=strides, padding=padding, dilation_rate=dilation,
+                  depth_multiplier=depth_multiplier, data_format=data_format, use_bias=use_bias,
+                  activation="relu")
+    layer = cls(FILTERS, kernel, **kwargs) if family == "separable" else cls(kernel, **kwargs)
+    outputs = L.Dense(3)(L.Flatten()(layer(inputs)))
+    model = keras.Model(inputs, outputs)
+    rng = np.random.default_rng(dims + 10 * depth_multiplier)
+    if use_bias:  # a nonzero bias, so its gradient is not hidden behind relu's dead zone
+        layer.bias.assign(rng.normal(size=layer.bias.shape) * 0.1)
+    x = rng.normal(size=(B, *shape))
+    y = rng.integers(0, 3, size=B)
+    return model, layer, RULES[family], x, y
+
+
+def _check(model, layer, rule, x, y) -> None:
+    loss = zoo.SCCE
+    pex = pergrad.PerExample(model, loss)
+    ruled = {id(lay): r for lay, r in pex.plan.ruled}
+    assert id(layer) in ruled, pex.plan.describe()
+    assert ruled[id(layer)].fn is rule
+    assert not pex.plan.generic, pex.plan.describe()
+
+    expected, _ = loop_gradients(model, keras_loss(loss), x, y)
+    scale = max(np.max(np.abs(e)) for e in expected)
+    grads = pex.gradients(x, y)
+    for g, e, v in zip(grads, expected, model.trainable_variables, strict=True):
+        assert_close(g, e, atol=1e-6 * scale, what=v.path)
+
+    flat = np.concatenate([e.reshape(B, -1) for e in expected], axis=1)
+    norms = np.linalg.norm(flat, axis=1)
+    assert_close(pex.norms(x, y), norms, what="norms")
+
+    rng = np.random.default_rng(7)
+    vectors = [rng.normal(size=v.shape) for v in model.trainable_variables]
+    flat_v = np.concatenate([v.ravel() for v in vectors])
+    assert_close(pex.dot(x, y, vectors), flat @ flat_v, what="dot")
+
+    clip = float(np.median(norms))
+    summed, clip_norms = pex.clipped_sum(x, y, clip)
+    factors = np.minimum(1.0, clip / norms)
+    expected_sums = [np.tensordot(factors, e, axes=1) for e in expected]
+    sum_scale = max(np.max(np.abs(e)) for e in expected_sums)
+    for s, e, v in zip(summed, expected_sums, model.trainable_variables, strict=True):
+        assert_close(s, e, atol=1e-6 * sum_scale, what=f"clipped_sum {v.path}")
+    assert_close(clip_norms, norms, what="clipped_sum norms")
+
+
+@pytest.mark.parametrize(("family", "dims"), CASES)
+@pytest.mark.parametrize(("strides", "padding", "dilation"), GEOMETRIES)
+def test_rule_matches_loop_oracle(family, dims, strides, padding, dilation, float64):
+    _check(*_case(family, dims, strides, padding, dilation))
+
+
+@pytest.mark.parametrize(("family", "dims"), CASES)
+def test_depth_multiplier_one(family, dims, float64):
+    _check(*_case(family, dims, 2, "same", 1, depth_multiplier=1))
+
+
+@pytest.mark.parametrize(("family", "dims"), CASES)
+@pytest.mark.parametrize(("strides", "padding", "dilation"), [(2, "same", 1), (1, "valid", 2)])
+def test_channels_first(family, dims, strides, padding, dilation, float64):
+    _check(*_case(family, dims, strides, padding, dilation, data_format="channels_first"))
+
+
+@pytest.mark.parametrize(("family", "dims"), CASES)
+def test_without_bias(family, dims, float64):
+    _check(*_case(family, dims, 1, "same", 1, use_bias=False))
