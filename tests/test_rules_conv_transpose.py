@@ -13,10 +13,9 @@ import keras
 import numpy as np
 import pytest
 import tensorflow as tf
-import zoo
-from oracle import assert_close, keras_loss, loop_gradients
+from oracle import assert_close
+from rule_check import assert_rule_matches_oracle
 
-import pergrad
 from pergrad.rules import LayerCall
 from pergrad.rules.conv_transpose import conv_transpose_rule
 
@@ -57,47 +56,19 @@ def _case(dims: int, strides, padding: str, output_padding, dilation, use_bias: 
         layer.bias.assign(rng.normal(size=layer.bias.shape) * 0.1)
     x = rng.normal(size=(B, *size, channels))
     y = rng.integers(0, 3, size=B)
-    return model, layer, x, y
-
-
-def _check(model, layer, x, y) -> None:
-    loss = zoo.SCCE
-    pex = pergrad.PerExample(model, loss)
-    ruled = {id(lay): rule for lay, rule in pex.plan.ruled}
-    assert id(layer) in ruled, pex.plan.describe()
-    assert ruled[id(layer)].fn is conv_transpose_rule
-    assert not pex.plan.generic, pex.plan.describe()
-
-    expected, _ = loop_gradients(model, keras_loss(loss), x, y)
-    scale = max(np.max(np.abs(e)) for e in expected)
-    grads = pex.gradients(x, y)
-    for g, e, v in zip(grads, expected, model.trainable_variables, strict=True):
-        assert_close(g, e, atol=1e-6 * scale, what=v.path)
-
-    flat = np.concatenate([e.reshape(B, -1) for e in expected], axis=1)
-    norms = np.linalg.norm(flat, axis=1)
-    assert_close(pex.norms(x, y), norms, what="norms")
-
-    clip = float(np.median(norms))
-    summed, clip_norms = pex.clipped_sum(x, y, clip)
-    factors = np.minimum(1.0, clip / norms)
-    expected_sums = [np.tensordot(factors, e, axes=1) for e in expected]
-    sum_scale = max(np.max(np.abs(e)) for e in expected_sums)
-    for s, e, v in zip(summed, expected_sums, model.trainable_variables, strict=True):
-        assert_close(s, e, atol=1e-6 * sum_scale, what=f"clipped_sum {v.path}")
-    assert_close(clip_norms, norms, what="clipped_sum norms")
+    return model, layer, conv_transpose_rule, x, y
 
 
 @pytest.mark.parametrize("dims", [1, 2, 3])
 @pytest.mark.parametrize(("strides", "padding", "output_padding", "dilation"), GEOMETRIES)
 def test_conv_transpose_rule_matches_loop_oracle(dims, strides, padding, output_padding,
                                                  dilation, float64):
-    _check(*_case(dims, strides, padding, output_padding, dilation))
+    assert_rule_matches_oracle(*_case(dims, strides, padding, output_padding, dilation))
 
 
 @pytest.mark.parametrize("dims", [1, 2, 3])
 def test_conv_transpose_rule_without_bias(dims, float64):
-    _check(*_case(dims, 2, "same", 1, 1, use_bias=False))
+    assert_rule_matches_oracle(*_case(dims, 2, "same", 1, 1, use_bias=False))
 
 
 def test_conv_transpose_stride_larger_than_kernel(float64):
@@ -109,7 +80,8 @@ def test_conv_transpose_stride_larger_than_kernel(float64):
     model = keras.Model(inputs, outputs)
     layer.bias.assign(np.full(3, 0.1))
     rng = np.random.default_rng(3)
-    _check(model, layer, rng.normal(size=(B, 4, 2)), rng.integers(0, 3, size=B))
+    assert_rule_matches_oracle(model, layer, conv_transpose_rule, rng.normal(size=(B, 4, 2)),
+                               rng.integers(0, 3, size=B))
 
 
 def _dilated_kernel(kernel: tf.Tensor, dilation: int) -> tf.Tensor:

@@ -5,10 +5,8 @@ from __future__ import annotations
 import keras
 import numpy as np
 import pytest
-import zoo
-from oracle import assert_close, keras_loss, loop_gradients
+from rule_check import assert_rule_matches_oracle
 
-import pergrad
 from pergrad.rules.depthwise import depthwise_rule, separable_rule
 
 L = keras.layers
@@ -61,56 +59,24 @@ def _case(family: str, dims: int, strides, padding: str, dilation, depth_multipl
     return model, layer, RULES[family], x, y
 
 
-def _check(model, layer, rule, x, y) -> None:
-    loss = zoo.SCCE
-    pex = pergrad.PerExample(model, loss)
-    ruled = {id(lay): r for lay, r in pex.plan.ruled}
-    assert id(layer) in ruled, pex.plan.describe()
-    assert ruled[id(layer)].fn is rule
-    assert not pex.plan.generic, pex.plan.describe()
-
-    expected, _ = loop_gradients(model, keras_loss(loss), x, y)
-    scale = max(np.max(np.abs(e)) for e in expected)
-    grads = pex.gradients(x, y)
-    for g, e, v in zip(grads, expected, model.trainable_variables, strict=True):
-        assert_close(g, e, atol=1e-6 * scale, what=v.path)
-
-    flat = np.concatenate([e.reshape(B, -1) for e in expected], axis=1)
-    norms = np.linalg.norm(flat, axis=1)
-    assert_close(pex.norms(x, y), norms, what="norms")
-
-    rng = np.random.default_rng(7)
-    vectors = [rng.normal(size=v.shape) for v in model.trainable_variables]
-    flat_v = np.concatenate([v.ravel() for v in vectors])
-    assert_close(pex.dot(x, y, vectors), flat @ flat_v, what="dot")
-
-    clip = float(np.median(norms))
-    summed, clip_norms = pex.clipped_sum(x, y, clip)
-    factors = np.minimum(1.0, clip / norms)
-    expected_sums = [np.tensordot(factors, e, axes=1) for e in expected]
-    sum_scale = max(np.max(np.abs(e)) for e in expected_sums)
-    for s, e, v in zip(summed, expected_sums, model.trainable_variables, strict=True):
-        assert_close(s, e, atol=1e-6 * sum_scale, what=f"clipped_sum {v.path}")
-    assert_close(clip_norms, norms, what="clipped_sum norms")
-
-
 @pytest.mark.parametrize(("family", "dims"), CASES)
 @pytest.mark.parametrize(("strides", "padding", "dilation"), GEOMETRIES)
 def test_rule_matches_loop_oracle(family, dims, strides, padding, dilation, float64):
-    _check(*_case(family, dims, strides, padding, dilation))
+    assert_rule_matches_oracle(*_case(family, dims, strides, padding, dilation))
 
 
 @pytest.mark.parametrize(("family", "dims"), CASES)
 def test_depth_multiplier_one(family, dims, float64):
-    _check(*_case(family, dims, 2, "same", 1, depth_multiplier=1))
+    assert_rule_matches_oracle(*_case(family, dims, 2, "same", 1, depth_multiplier=1))
 
 
 @pytest.mark.parametrize(("family", "dims"), CASES)
 @pytest.mark.parametrize(("strides", "padding", "dilation"), [(2, "same", 1), (1, "valid", 2)])
 def test_channels_first(family, dims, strides, padding, dilation, float64):
-    _check(*_case(family, dims, strides, padding, dilation, data_format="channels_first"))
+    assert_rule_matches_oracle(*_case(family, dims, strides, padding, dilation,
+                                      data_format="channels_first"))
 
 
 @pytest.mark.parametrize(("family", "dims"), CASES)
 def test_without_bias(family, dims, float64):
-    _check(*_case(family, dims, 1, "same", 1, use_bias=False))
+    assert_rule_matches_oracle(*_case(family, dims, 1, "same", 1, use_bias=False))
