@@ -104,10 +104,16 @@ def _channels_last(t: tf.Tensor, data_format: str) -> tf.Tensor:
     return tf.transpose(t, [0, *range(2, rank), 1])
 
 
+def channels_last_input_and_grad(layer, call: LayerCall, grad: tf.Tensor, dtype) -> tuple:
+    """The recorded input and the output gradient of a convolution-like layer, both cast to
+    ``dtype`` (its kernel's) and channels-last, whatever the layer's ``data_format``."""
+    return (_channels_last(tf.cast(call.args[0], dtype), layer.data_format),
+            _channels_last(tf.cast(grad, dtype), layer.data_format))
+
+
 def conv_rule(layer, call: LayerCall, grad: tf.Tensor) -> list:
     dtype = layer.kernel.dtype
-    x = _channels_last(tf.cast(call.args[0], dtype), layer.data_format)
-    d = _channels_last(tf.cast(grad, dtype), layer.data_format)
+    x, d = channels_last_input_and_grad(layer, call, grad, dtype)
     groups = layer.groups
     c_in, c_out = x.shape[-1], layer.filters
     patches = extract_patches(x, layer.kernel_size, layer.strides, layer.dilation_rate,

@@ -22,14 +22,13 @@ import keras
 import tensorflow as tf
 
 from pergrad.rules import LayerCall, plain_weights, register
-from pergrad.rules.conv import _channels_last, extract_patches
+from pergrad.rules.conv import channels_last_input_and_grad, extract_patches
 from pergrad.rules.forms import Factored, Materialized, positions
 
 
 def conv_transpose_rule(layer, call: LayerCall, grad: tf.Tensor) -> list:
     dtype = layer.kernel.dtype
-    x = _channels_last(tf.cast(call.args[0], dtype), layer.data_format)
-    d = _channels_last(tf.cast(grad, dtype), layer.data_format)
+    x, d = channels_last_input_and_grad(layer, call, grad, dtype)
     c_in, filters = x.shape[-1], layer.filters
     # (B, *x_spatial, K, filters): the output-gradient patch each input position sees.
     patches = extract_patches(d, layer.kernel_size, layer.strides, layer.dilation_rate,

@@ -23,7 +23,11 @@ import keras
 import tensorflow as tf
 
 from pergrad.rules import LayerCall, plain_weights, register
-from pergrad.rules.conv import _channels_last, extract_patches, pad_input
+from pergrad.rules.conv import (
+    channels_last_input_and_grad,
+    extract_patches,
+    pad_input,
+)
 from pergrad.rules.forms import Factored, Materialized, positions
 
 
@@ -70,16 +74,14 @@ def _bias(layer, d: tf.Tensor) -> list:
 
 def depthwise_rule(layer, call: LayerCall, grad: tf.Tensor) -> list:
     dtype = layer.kernel.dtype
-    x = _channels_last(tf.cast(call.args[0], dtype), layer.data_format)
-    d = _channels_last(tf.cast(grad, dtype), layer.data_format)
+    x, d = channels_last_input_and_grad(layer, call, grad, dtype)
     return [_depthwise_form(layer, layer.kernel, x, _patches(layer, x), d), *_bias(layer, d)]
 
 
 def separable_rule(layer, call: LayerCall, grad: tf.Tensor) -> list:
     depthwise, pointwise = layer.depthwise_kernel, layer.pointwise_kernel
     dtype = depthwise.dtype
-    x = _channels_last(tf.cast(call.args[0], dtype), layer.data_format)
-    d = _channels_last(tf.cast(grad, dtype), layer.data_format)  # (B, *out, F)
+    x, d = channels_last_input_and_grad(layer, call, grad, dtype)  # (B, *out, F)
     a = _patches(layer, x)  # (B, T, C, K)
     batch, t = tf.shape(x)[0], a.shape[1] if a.shape[1] is not None else -1
     c, m = depthwise.shape[-2], depthwise.shape[-1]
