@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import os
 import subprocess
@@ -24,12 +26,14 @@ def test_analyze_writes_the_report_and_finds_flipped_labels(tmp_path):
     done = pergrad("analyze", "--epochs", "3", "--label-noise", "0.2", "--out", str(out),
                    "--seed", "1")
     assert done.returncode == 0, done.stderr[-3000:]
-    for name in ("metrics.csv", "report.png", "conflicting_examples.png", "summary.json"):
+    for name in ("metrics.csv", "examples.csv", "report.png", "flagged_examples.png",
+                 "influence.png", "summary.json"):
         assert (out / name).stat().st_size > 0, name
-    assert (out / "report.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    for name in ("report.png", "flagged_examples.png", "influence.png"):
+        assert (out / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     summary = json.loads((out / "summary.json").read_text())
     assert summary["epochs"] == 3 and summary["examples"] == 1437
-    detection = summary["label_noise_detection"]["conflict_with_rest"]
+    detection = summary["label_noise_detection"]["default"]
     assert detection["k"] == round(0.2 * 1437)
     from pergrad import demo  # the flips are listed, as the demo made them from the clean labels
     (_, clean), _ = demo.load_digits_split(seed=1)
@@ -37,6 +41,12 @@ def test_analyze_writes_the_report_and_finds_flipped_labels(tmp_path):
     assert summary["flipped"] == [{"index": int(i), "given": int(noisy[i]), "true": int(clean[i])}
                                   for i in np.flatnonzero(flipped)]
     assert detection["roc_auc"] > 0.7, detection  # random ranking gives 0.5
+    rows = (out / "examples.csv").read_text().splitlines()
+    assert rows[0].startswith("rank,index,given,true,seen,default,loss")
+    assert len(rows) == 1 + 1437
+    ranked = [int(r.split(",")[1]) for r in rows[1:17]]
+    assert ranked == [s["index"] for s in summary["most_suspect"]]
+    assert [len(e["most_helpful"]) for e in summary["influence"]] == [4] * 4
     header = (out / "metrics.csv").read_text().splitlines()[0].split(",")
     assert {"step", "loss", "noise_scale", "fraction_against_rest", "norm_p50"} <= set(header)
     assert "epoch" in done.stdout and "ROC AUC" in done.stdout
@@ -107,3 +117,109 @@ def test_flip_labels_and_detection_scores():
     assert perfect == {"precision_at_k": 1.0, "roc_auc": 1.0, "k": 25}
     inverted = detection_scores(-flipped.astype(float), flipped)
     assert inverted["roc_auc"] == 0.0 and inverted["precision_at_k"] == 0.0
+
+
+def _in_process(*args: str) -> int:
+    """``pergrad ARGS`` in this process (no second TensorFlow start-up), output discarded."""
+    from pergrad.cli import main
+
+    with contextlib.redirect_stdout(io.StringIO()):
+        return main(list(args))
+
+
+def _tiny_classifier(path, inputs, classes: int, compiled: bool = True) -> None:
+    import keras
+
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([keras.Input(inputs), keras.layers.Flatten(),
+                              keras.layers.Dense(8, activation="relu"),
+                              keras.layers.Dense(classes)])
+    if compiled:
+        model.compile(optimizer=keras.optimizers.Adam(1e-2),
+                      loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    model.save(path)
+
+
+def test_analyze_your_own_model_and_arrays(tmp_path):
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(60, 4)).astype("float32")
+    y = (x[:, 0] > 0).astype("int64") + 2 * (x[:, 1] > 0)
+    np.savez(tmp_path / "train.npz", x=x, y=y)
+    _tiny_classifier(tmp_path / "model.keras", (4,), 4)
+    out = tmp_path / "report"
+    assert _in_process("analyze", "--model", str(tmp_path / "model.keras"), "--data",
+                       str(tmp_path / "train.npz"), "--epochs", "2", "--batch-size", "16",
+                       "--label-noise", "0.1", "--out", str(out)) == 0
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["examples"] == 48 and len(summary["flipped"]) == 5  # 80% of 60, 10% flipped
+    rows = (out / "examples.csv").read_text().splitlines()
+    assert len(rows) == 49 and rows[0].startswith("rank,index,given,true,seen,default")
+    assert not (out / "flagged_examples.png").exists()  # tabular data: no pictures of inputs
+    assert len(summary["influence"]) == 4
+
+
+def test_analyze_a_folder_of_images_reports_paths(tmp_path):
+    import keras
+
+    rng = np.random.default_rng(1)
+    for name in ("cat", "dog"):
+        (tmp_path / "images" / name).mkdir(parents=True)
+        for k in range(6):
+            pixels = rng.integers(0, 255, size=(6, 6, 1)).astype("uint8")
+            keras.utils.save_img(tmp_path / "images" / name / f"{k}.png", pixels, scale=False)
+    _tiny_classifier(tmp_path / "model.keras", (6, 6, 1), 2, compiled=False)
+    out = tmp_path / "report"
+    assert _in_process("analyze", "--model", str(tmp_path / "model.keras"), "--data",
+                       str(tmp_path / "images"), "--loss", "sparse_categorical_crossentropy",
+                       "--from-logits", "--epochs", "1", "--batch-size", "4",
+                       "--out", str(out)) == 0
+    summary = json.loads((out / "summary.json").read_text())
+    assert all(s["path"].endswith(".png") and s["given"] in ("cat", "dog")
+               for s in summary["most_suspect"])
+    assert summary["influence"][0]["most_helpful"][0]["path"].endswith(".png")
+    assert (out / "flagged_examples.png").exists() and (out / "influence.png").exists()
+    header = (out / "examples.csv").read_text().splitlines()[0]
+    assert header.startswith("rank,index,path,given,seen")
+
+
+def test_analyze_refuses_bad_data_in_one_line(tmp_path):
+    from pergrad.cli import main
+
+    (tmp_path / "table.csv").write_text("a,b,label\n1,2,x\n3,4,y\n")
+    _tiny_classifier(tmp_path / "plain.keras", (2,), 2, compiled=False)
+    cases = [
+        (["--data", str(tmp_path / "table.csv")], "--data needs --model"),
+        (["--model", str(tmp_path / "plain.keras"), "--data", str(tmp_path / "table.csv"),
+          "--loss", "sparse_categorical_crossentropy"], "--label"),
+        (["--model", str(tmp_path / "plain.keras"), "--data", str(tmp_path / "table.csv"),
+          "--loss", "sparse_categorical_crossentropy", "--label", "c"], "no column 'c'"),
+        (["--model", str(tmp_path / "plain.keras"), "--loss", "mse", "--from-logits"],
+         "--from-logits does not apply"),
+        (["--model", str(tmp_path / "plain.keras"), "--data", str(tmp_path / "table.csv"),
+          "--label", "label"], "not compiled"),
+        (["--model", str(tmp_path / "missing.keras")], "cannot load"),
+    ]
+    for args, message in cases:
+        err = io.StringIO()
+        with contextlib.redirect_stderr(err):
+            code = main(["analyze", *args, "--out", str(tmp_path / "out")])
+        assert code == 2 and message in err.getvalue(), (args, err.getvalue())
+
+
+def test_analyze_a_csv_table_with_named_classes(tmp_path):
+    rng = np.random.default_rng(2)
+    features = rng.normal(size=(40, 3))
+    species = np.where(features[:, 0] > 0, "setosa", "virginica")
+    lines = ["a,species,b,c"] + [f"{f[0]:.4f},{s},{f[1]:.4f},{f[2]:.4f}"
+                                  for f, s in zip(features, species, strict=True)]
+    (tmp_path / "table.csv").write_text("\n".join(lines) + "\n")
+    _tiny_classifier(tmp_path / "model.keras", (3,), 2)
+    out = tmp_path / "report"
+    assert _in_process("analyze", "--model", str(tmp_path / "model.keras"), "--data",
+                       str(tmp_path / "table.csv"), "--label", "species", "--epochs", "1",
+                       "--batch-size", "8", "--test-fraction", "0", "--out", str(out)) == 0
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["examples"] == 40 and "influence" not in summary  # nothing held out
+    assert {s["given"] for s in summary["most_suspect"]} <= {"setosa", "virginica"}
+    rows = (out / "examples.csv").read_text().splitlines()
+    assert len(rows) == 41 and rows[0].startswith("rank,index,given,seen")

@@ -7,7 +7,8 @@ Public API (everything else is private):
   :class:`MixesExamplesError`
 * Keras training with custom aggregation: :mod:`pergrad.keras`, :mod:`pergrad.aggregate`
 * privacy accounting: :mod:`pergrad.privacy`
-* gradient analysis: :mod:`pergrad.stats`, :mod:`pergrad.plot`
+* gradient analysis: :mod:`pergrad.stats`, :mod:`pergrad.plot`; data debugging (label-error
+  scores, TracIn influence) on your own model and data: :mod:`pergrad.analysis`
 * Jacobians: :func:`jacobian` (``pergrad.jacobian`` is both the module and the function),
   :func:`jacfwd`, :func:`jacrev`, :func:`jvp`, :func:`vjp`, :func:`hvp`, :func:`hessian`
 
@@ -28,6 +29,7 @@ _EXPORTS: dict[str, tuple[str, str | None]] = {
     "PerExample": ("pergrad.engine", "PerExample"),
     "PerExampleResult": ("pergrad.engine", "PerExampleResult"),
     "aggregate": ("pergrad.aggregate", None),
+    "analysis": ("pergrad.analysis", None),
     "hessian": ("pergrad.jacobian", "hessian"),
     "hvp": ("pergrad.jacobian", "hvp"),
     "jacfwd": ("pergrad.jacobian", "jacfwd"),
@@ -63,7 +65,7 @@ def __dir__() -> list[str]:
 
 
 if TYPE_CHECKING:  # what the lazy names are, for type checkers and IDEs
-    from pergrad import aggregate, jacobian, keras, plot, privacy, stats  # noqa: F401
+    from pergrad import aggregate, analysis, jacobian, keras, plot, privacy, stats  # noqa: F401
     from pergrad._functional import per_example_gradients, per_example_norms, vmap_grad  # noqa: F401
     from pergrad.engine import PerExample, PerExampleResult  # noqa: F401
     from pergrad.jacobian import hessian, hvp, jacfwd, jacrev, jvp, vjp  # noqa: F401

@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import keras
-import numpy as np
 from sklearn.datasets import load_digits
 from sklearn.model_selection import train_test_split
+
+from pergrad.demo.label_noise import flip_labels  # noqa: F401  (its former home)
 
 
 def load_digits_split(test_fraction: float = 0.2, seed: int = 0):
@@ -16,23 +17,6 @@ def load_digits_split(test_fraction: float = 0.2, seed: int = 0):
         images, digits.target.astype("int64"), test_size=test_fraction, random_state=seed,
         stratify=digits.target)
     return (x_train, y_train), (x_test, y_test)
-
-
-def flip_labels(labels: np.ndarray, fraction: float, seed: int = 0,
-                num_classes: int = 10) -> tuple[np.ndarray, np.ndarray]:
-    """Give ``round(fraction * N)`` randomly chosen examples a different, random label.
-
-    Returns ``(noisy labels, boolean mask of the flipped examples)``.
-    """
-    if not 0.0 <= fraction < 1.0:
-        raise ValueError(f"fraction must be in [0, 1), got {fraction}.")
-    rng = np.random.default_rng(seed)
-    flipped = np.zeros(len(labels), bool)
-    flipped[rng.choice(len(labels), int(round(fraction * len(labels))), replace=False)] = True
-    noisy = labels.copy()
-    shift = rng.integers(1, num_classes, size=flipped.sum())
-    noisy[flipped] = (labels[flipped] + shift) % num_classes
-    return noisy, flipped
 
 
 def digits_cnn(input_name: str = "image") -> keras.Model:

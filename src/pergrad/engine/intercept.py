@@ -3,7 +3,8 @@
 Inside the ``with`` block each tapped layer's ``call`` is replaced by a wrapper that records the
 arguments and the output. For ruled layers with an ``activation`` the activation is applied by the
 wrapper *after* recording, so the recorded output is the pre-activation, where the rules' formulas
-live. On exit every layer is left exactly as it was.
+live. A rule with a ``forward`` hook (recurrent layers) computes the outputs itself, in place of
+``call``, and names the tensor to tap. On exit every layer is left exactly as it was.
 """
 
 from __future__ import annotations
@@ -44,6 +45,11 @@ def record_calls(plan: Plan):
                 )
             if rule is not None and rule.check_call is not None:
                 rule.check_call(layer, LayerCall(layer, args, kwargs, None))
+            if rule is not None and rule.forward is not None:
+                outputs, tapped, saved = rule.forward(layer, args, kwargs)
+                calls.setdefault(id(layer), []).append(
+                    LayerCall(layer, args, kwargs, tapped, saved))
+                return outputs
             activation = getattr(layer, "activation", None) if split else None
             if activation is not None:
                 object.__setattr__(layer, "activation", None)

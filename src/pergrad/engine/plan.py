@@ -5,8 +5,8 @@ Walking the model from the top, each layer with trainable weights is either
 * **ruled**: its class has a rule (:mod:`pergrad.rules`); its calls are recorded and the rule turns
   them into gradient forms;
 * **generic**: it owns weights directly, has no rule, or is a wrapper that runs its sublayers in a
-  loop or on reshaped batches (RNN, Bidirectional, TimeDistributed); its per-example gradients are
-  per-example VJPs of that layer alone;
+  loop or on reshaped batches (an RNN without a rule of its own, Bidirectional, TimeDistributed);
+  its per-example gradients are per-example VJPs of that layer alone;
 * **checked**: a layer without trainable weights whose rule refuses some calls (a
   BatchNormalization without scale and offset still mixes examples in training mode);
 * **descended**: a container (a model, MultiHeadAttention, a user's block of layers) that owns no

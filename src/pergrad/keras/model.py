@@ -30,6 +30,7 @@ from pergrad import aggregate
 from pergrad.aggregate import noise
 from pergrad.engine import PerExample, compute_dtype, mixing_tolerance
 from pergrad.rules.normalization import MixesExamplesError
+from pergrad.stats.scores import loss_from_logits
 
 INDEX_KEY = "example_index"
 """Key of an ``x`` dict entry holding each example's dataset index (int, ``(B,)``).
@@ -213,7 +214,9 @@ class PerExampleModel(keras.Model):
             (no BatchNormalization in training mode).
         aggregator: a :mod:`pergrad.aggregate` aggregator (or its ``serialize`` dict).
         monitor: optional object with ``compute(result, indices=, sample_weight=) -> dict`` of
-            scalar tensors merged into the logs (``pergrad.keras.GradientMonitor``); if it is a
+            scalar tensors merged into the logs (``pergrad.keras.GradientMonitor``), also given
+            ``labels=``, ``learning_rate=`` (this step's) and ``from_logits=`` (read from the
+            compiled loss, ``None`` if unknown) when it accepts them; if it is a
             Keras callback, ``fit`` adds it to the callbacks. Not saved with the model. Its
             statistics come from raw, unclipped gradients: under a DP aggregator they are not
             private, and a warning says so.
@@ -245,6 +248,7 @@ class PerExampleModel(keras.Model):
         self.aggregator = aggregate.mean() if aggregator is None \
             else aggregate.deserialize(aggregator)
         self.monitor = monitor
+        self._from_logits: bool | None = None
         self.check_example_mixing = bool(check_example_mixing)
         self.allow_state_updates = bool(allow_state_updates)
         self.dropped_examples = keras.metrics.Sum(name="dropped_examples")
@@ -293,6 +297,7 @@ class PerExampleModel(keras.Model):
             dict_outputs = False
         self._per_example_loss, self._target_order = compiled_per_example_loss(
             loss, loss_weights, output_names, dict_outputs)
+        self._from_logits = loss_from_logits(loss)
         self._per_example = None
         if self._mixing_checked is not None:
             self._mixing_checked.assign(False)  # a new loss may mix examples: check it again
@@ -435,6 +440,7 @@ class PerExampleModel(keras.Model):
             grads = [g * tf.cast(scale, g.dtype) for g in grads]
         # Report before the update: Keras's loss includes the regularization of the old weights.
         logs = self._report(x, y, result, sample_weight, local.dropped, replicas)
+        learning_rate = tf.identity(self.optimizer.learning_rate)  # this step's, for TracIn
         with tf.control_dependencies(checks):
             self.optimizer.apply(grads, variables)
         if self.aggregator.noisy and replicas == 1 \
@@ -443,7 +449,10 @@ class PerExampleModel(keras.Model):
             # example overflows: hold it at its initial value (data-independent).
             self.optimizer.step_counter.assign(0)
         if self.monitor is not None:
-            stats = self.monitor.compute(result, indices=indices, sample_weight=sample_weight)
+            extras = {"labels": y, "learning_rate": learning_rate,
+                      "from_logits": self._from_logits}
+            stats = self.monitor.compute(result, indices=indices, sample_weight=sample_weight,
+                                         **_accepted(self.monitor.compute, extras))
             logs = {**logs, **dict(stats)}
         return logs
 
@@ -539,6 +548,15 @@ class _mixing_errors:
         if isinstance(error, tf.errors.InvalidArgumentError) and _MIXING_MARKER in str(error):
             raise MixesExamplesError(_mixing_detail(str(error))) from None
         return False
+
+
+def _accepted(function, keywords: dict) -> dict:
+    """The entries of ``keywords`` that ``function`` accepts (all with ``**kwargs``), so a custom
+    monitor with the documented ``compute(result, indices=, sample_weight=)`` keeps working."""
+    parameters = inspect.signature(function).parameters
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values()):
+        return keywords
+    return {k: v for k, v in keywords.items() if k in parameters}
 
 
 def _mixing_detail(text: str) -> str:

@@ -12,12 +12,14 @@ import numpy as np
 import tensorflow as tf
 
 from pergrad.engine import PerExampleResult
+from pergrad.keras.example_tables import ExampleTables
 from pergrad.stats import (
     BATCH_STATISTICS,
     CONSENSUS_STATISTICS,
     active_examples,
     statistics_from_result,
 )
+from pergrad.stats.scores import class_scores, classifier_outputs
 
 #: The scalars the monitor logs each monitored step.
 LOGGED_STATISTICS = (*BATCH_STATISTICS, *CONSENSUS_STATISTICS)
@@ -64,7 +66,10 @@ class GradientMonitor(keras.callbacks.Callback):
 
     Per-example tracking (``track_examples=True``): for every training-example index it counts
     how often the example was in a monitored batch (``seen``), how often its gradient opposed the
-    batch gradient (``opposed``: cosine < 0) and its cosines' sum (for ``mean_cosine``). The
+    batch gradient (``opposed``: cosine < 0) and its cosines' sum (for ``mean_cosine``), and
+    keeps the running sums behind the label-error scores (:meth:`example_table`,
+    :func:`pergrad.stats.label_error_scores`): loss, gradient norm, TracIn self-influence and,
+    for a classifier, margin, error norm and forgetting events. The
     indices are those the dataset supplies (``x["example_index"]``, passed to :meth:`compute` as
     ``indices``); without them they are derived from the sample order: ``position within the
     epoch + arange(B)`` (modulo ``num_examples`` when given), which is right only when shuffling
@@ -77,11 +82,13 @@ class GradientMonitor(keras.callbacks.Callback):
         csv_path: CSV file (``None``: no CSV).
         track_examples: keep the per-example counts.
         num_examples: training-set size, to preallocate the counts (and wrap derived indices).
+        from_logits: whether a classifier's outputs are logits, for margins, error norms and
+            forgetting; ``None`` takes what ``PerExampleModel`` reads from the compiled loss.
     """
 
     def __init__(self, every_n_steps: int = 1, log_dir: str | None = None,
                  csv_path: str | None = None, track_examples: bool = True,
-                 num_examples: int | None = None) -> None:
+                 num_examples: int | None = None, from_logits: bool | None = None) -> None:
         super().__init__()
         if int(every_n_steps) != every_n_steps or every_n_steps < 1:
             raise ValueError(f"every_n_steps must be a positive integer, got {every_n_steps}.")
@@ -112,20 +119,21 @@ class GradientMonitor(keras.callbacks.Callback):
         self._last_norms = var(np.zeros(0), tf.float64, unknown)
         self._last_cosines = var(np.zeros(0), tf.float64, unknown)
         self._last_active = var(np.zeros(0, bool), tf.bool, unknown)
-        size = self.num_examples or 0
-        self._seen = var(np.zeros(size, np.int64), tf.int64, unknown)
-        self._opposed = var(np.zeros(size, np.int64), tf.int64, unknown)
-        self._cosine_sum = var(np.zeros(size), tf.float64, unknown)
-        self._against = var(np.zeros(size, np.int64), tf.int64, unknown)
-        self._rest_cosine_sum = var(np.zeros(size), tf.float64, unknown)
+        self._tables = ExampleTables(self.num_examples or 0)
+        self.from_logits = from_logits
+        self._warned_classes = False
 
     # -- inside the training step ---------------------------------------------------------------
-    def compute(self, result: PerExampleResult, indices: Any = None,
-                sample_weight: Any = None) -> dict[str, tf.Tensor]:
+    def compute(self, result: PerExampleResult, indices: Any = None, sample_weight: Any = None,
+                labels: Any = None, learning_rate: Any = None,
+                from_logits: bool | None = None) -> dict[str, tf.Tensor]:
         """The batch-level statistics of this step (traceable; call it in the train step).
 
         Returns ``{name: scalar}`` for the names in ``pergrad.stats.LOGGED_STATISTICS``, in the
-        result's norm dtype. Also records what the callback writes and the per-example counts.
+        result's norm dtype. Also records what the callback writes and the per-example tables.
+        ``labels`` (the batch's targets), ``learning_rate`` (this step's, for TracIn) and
+        ``from_logits`` (whether the predictions are logits; the monitor's own setting wins)
+        feed the per-example scores; ``PerExampleModel`` passes all three.
         """
         step = self._step.read_value()
         self._step.assign_add(1)
@@ -138,6 +146,10 @@ class GradientMonitor(keras.callbacks.Callback):
             if self.num_examples is not None:
                 indices = indices % self.num_examples
         self._position.assign_add(batch)
+        logits = self.from_logits if self.from_logits is not None else from_logits
+        classes = self._classification(result, labels, logits)
+        rate = tf.constant(1.0, tf.float64) if learning_rate is None \
+            else tf.cast(learning_rate, tf.float64)
 
         def monitored():
             # Non-finite examples (which PerExampleModel's aggregators drop) are inactive here
@@ -163,8 +175,7 @@ class GradientMonitor(keras.callbacks.Callback):
                        self._last_norms.assign(tf.cast(stats["norms"], tf.float64)),
                        self._last_cosines.assign(cosines), self._last_active.assign(active)]
             if self.track_examples:
-                rest = tf.cast(stats["cosine_to_rest"], tf.float64)
-                updates.append(self._count(indices, active, cosines, rest))
+                updates.append(self._count(indices, active, stats, rate, classes))
             with tf.control_dependencies(updates):
                 return tf.identity(values)
 
@@ -175,51 +186,85 @@ class GradientMonitor(keras.callbacks.Callback):
         dtype = result.norm_dtype
         return {k: tf.cast(values[i], dtype) for i, k in enumerate(LOGGED_STATISTICS)}
 
-    def _count(self, indices, active, cosines, rest_cosines) -> tf.Operation:
+    def _classification(self, result: PerExampleResult, labels: Any,
+                        from_logits: bool | None) -> dict[str, tf.Tensor] | None:
+        """:func:`pergrad.stats.class_scores` of the batch, or ``None`` (with one warning when
+        only ``from_logits`` is missing) for outputs that are not one classifier's."""
+        if not self.track_examples or labels is None:
+            return None
+        labels = tf.nest.map_structure(tf.convert_to_tensor, labels)
+        if not classifier_outputs(result.predictions, labels):
+            return None
+        if from_logits is None:
+            if not self._warned_classes:
+                warnings.warn("GradientMonitor cannot tell whether the model outputs logits or "
+                              "probabilities (the compiled loss does not say), so margins, error "
+                              "norms and forgetting are not recorded; pass "
+                              "GradientMonitor(from_logits=True or False).", stacklevel=3)
+                self._warned_classes = True
+            return None
+        return class_scores(result.predictions, labels, bool(from_logits))
+
+    def _count(self, indices, active, stats, rate, classes) -> tf.Operation:
         idx = tf.boolean_mask(tf.cast(tf.reshape(indices, [-1]), tf.int64), active)
-        cos = tf.boolean_mask(cosines, active)
-        rest = tf.boolean_mask(rest_cosines, active)
-        needed = tf.reduce_max(tf.concat([idx + 1, tf.zeros([1], tf.int64)], 0))
-        tables = (self._seen, self._opposed, self._cosine_sum, self._against,
-                  self._rest_cosine_sum)
 
-        def grow():
-            extra = needed - tf.size(self._seen, out_type=tf.int64)
-            ops = [t.assign(tf.concat([t, tf.zeros([extra], t.dtype)], 0)) for t in tables]
-            with tf.control_dependencies(ops):
-                return tf.constant(True)
+        def pick(values):
+            return tf.boolean_mask(tf.cast(values, tf.float64), active)
 
-        grown = tf.cond(needed > tf.size(self._seen, out_type=tf.int64), grow,
-                        lambda: tf.constant(False))
-        with tf.control_dependencies([grown]):
-            where = idx[:, None]
-            ops = [self._seen.scatter_nd_add(where, tf.ones_like(idx)),
-                   self._opposed.scatter_nd_add(where, tf.cast(cos < 0, tf.int64)),
-                   self._cosine_sum.scatter_nd_add(where, cos),
-                   self._against.scatter_nd_add(where, tf.cast(rest < 0, tf.int64)),
-                   self._rest_cosine_sum.scatter_nd_add(where, rest)]
-        return tf.group(ops)
+        cos, rest = pick(stats["cosine_to_batch"]), pick(stats["cosine_to_rest"])
+        norms, losses = pick(stats["norms"]), pick(stats["losses"])
+        with tf.control_dependencies([self._tables.grow_to(idx)]):
+            values = {"seen": tf.ones_like(idx), "opposed": cos < 0, "cosine_sum": cos,
+                      "against": rest < 0, "rest_cosine_sum": rest, "loss_sum": losses,
+                      "last_loss": losses, "norm_sum": norms,
+                      "self_influence": rate * tf.square(norms)}
+            if classes is not None:
+                correct = tf.cast(pick(classes["correct"]) > 0.5, tf.int64)
+                before = self._tables.gather("last_correct", idx)
+                values.update({
+                    "classified": tf.ones_like(idx), "error_norm_sum": pick(classes["error_norm"]),
+                    "margin_sum": pick(classes["margin"]),
+                    "forgotten": before * (1 - correct), "last_correct": correct,
+                    "learned": tf.maximum(self._tables.gather("learned", idx), correct)})
+            return self._tables.update(idx, values)
 
     # -- per-example results --------------------------------------------------------------------
     def example_table(self) -> dict[str, np.ndarray]:
-        """Per training-example index (NaN fractions and means for examples never seen):
+        """Per training-example index (NaN means for examples never seen):
 
         * ``seen``: monitored batches the example was in;
         * against the batch gradient ``G``: ``opposed`` (cosine < 0), ``opposed_fraction``,
           ``mean_cosine``;
         * against the rest of the batch's consensus (``cosine_to_rest``, one vote per
-          example): ``against_rest``, ``against_rest_fraction``, ``mean_cosine_to_rest``.
+          example): ``against_rest``, ``against_rest_fraction``, ``mean_cosine_to_rest``;
+        * ``mean_loss`` and ``last_loss`` (at its latest monitored step), ``mean_norm`` (the
+          mean of ``||g_i||``, GraNd) and ``self_influence`` (``sum_t eta_t ||g_i(w_t)||^2``
+          over its monitored steps ``t``, TracIn);
+        * for a classifier: ``classified`` (steps with margins), ``mean_error_norm`` (EL2N),
+          ``mean_margin`` (AUM), ``forgetting_events`` (correct at one presentation, wrong at
+          the next) and ``learned`` (ever classified correctly; ``False`` where never
+          classified).
+
+        :func:`pergrad.stats.label_error_scores` turns this table into rankings.
         """
-        seen = self._seen.numpy()
-        opposed, against = self._opposed.numpy(), self._against.numpy()
+        t = self._tables.numpy()
+        seen, classified = t["seen"], t["classified"]
         with np.errstate(invalid="ignore", divide="ignore"):
-            def mean(values):
-                return np.where(seen > 0, values / seen, np.nan)
-            return {"index": np.arange(len(seen)), "seen": seen, "opposed": opposed,
-                    "mean_cosine": mean(self._cosine_sum.numpy()),
-                    "opposed_fraction": mean(opposed), "against_rest": against,
-                    "against_rest_fraction": mean(against),
-                    "mean_cosine_to_rest": mean(self._rest_cosine_sum.numpy())}
+            def mean(values, count=seen):
+                return np.where(count > 0, values / count, np.nan)
+            return {"index": np.arange(len(seen)), "seen": seen, "opposed": t["opposed"],
+                    "mean_cosine": mean(t["cosine_sum"]),
+                    "opposed_fraction": mean(t["opposed"]), "against_rest": t["against"],
+                    "against_rest_fraction": mean(t["against"]),
+                    "mean_cosine_to_rest": mean(t["rest_cosine_sum"]),
+                    "mean_loss": mean(t["loss_sum"]),
+                    "last_loss": np.where(seen > 0, t["last_loss"], np.nan),
+                    "mean_norm": mean(t["norm_sum"]),
+                    "self_influence": np.where(seen > 0, t["self_influence"], np.nan),
+                    "classified": classified,
+                    "mean_error_norm": mean(t["error_norm_sum"], classified),
+                    "mean_margin": mean(t["margin_sum"], classified),
+                    "forgetting_events": t["forgotten"], "learned": t["learned"] > 0}
 
     def most_conflicting(self, k: int = 16, against: str = "rest") -> np.ndarray:
         """The ``k`` seen example indices that fought the others most.

@@ -9,6 +9,15 @@ variable (see :mod:`pergrad.rules.forms`).
 
 A rule applies only to layers whose ``call`` is the registered class's own: a subclass that
 overrides ``call`` computes something else and gets the generic rule instead.
+
+**Forward hook.** Some layers compute the tensor whose gradient a rule needs inside a loop (the
+gate pre-activations of a recurrent layer), where no tape can reach it. A rule may then register
+``forward(layer, args, kwargs) -> (outputs, tapped, saved)``: while recording, the engine runs it
+*instead of* the layer's ``call`` (inside ``Layer.__call__``, so masks, ``training`` and mixed
+precision casting are resolved as for ``call``). ``outputs`` must equal what ``call`` returns;
+``tapped`` is a tensor of the outer graph that the outputs depend on, whose gradient the rule
+receives as ``output_grad``; ``saved`` is anything else the forward computed that the rule needs
+(hidden states of every step, say), handed back as ``call.saved`` and never differentiated.
 """
 
 from __future__ import annotations
@@ -22,12 +31,14 @@ from pergrad.rules.forms import Factored, Form, Materialized, Rows, combine, unb
 
 @dataclass(frozen=True)
 class LayerCall:
-    """One call of an intercepted layer: its arguments and the tensor(s) the engine taps."""
+    """One call of an intercepted layer: its arguments, the tensor(s) the engine taps, and what a
+    rule's ``forward`` hook saved for the rule (``None`` without one)."""
 
     layer: Any
     args: tuple
     kwargs: dict
     tapped: Any
+    saved: Any = None
 
 
 @dataclass(frozen=True)
@@ -37,17 +48,21 @@ class Rule:
     splits_activation: bool = False
     check_call: Callable[[Any, LayerCall], None] | None = None
     applies: Callable[[Any], bool] | None = None
+    forward: Callable[[Any, tuple, dict], tuple[Any, Any, Any]] | None = None
 
 
 _RULES: dict[type, Rule] = {}
 
 
 def register(layer_class: type, *, splits_activation: bool = False,
-             check_call: Callable | None = None, applies: Callable | None = None):
-    """Register ``fn(layer, call, output_grad) -> list[Form]`` as the rule for ``layer_class``."""
+             check_call: Callable | None = None, applies: Callable | None = None,
+             forward: Callable | None = None):
+    """Register ``fn(layer, call, output_grad) -> list[Form]`` as the rule for ``layer_class``
+    (``forward``: the optional hook described in the module docstring)."""
 
     def decorate(fn):
-        _RULES[layer_class] = Rule(fn, layer_class, splits_activation, check_call, applies)
+        _RULES[layer_class] = Rule(fn, layer_class, splits_activation, check_call, applies,
+                                   forward)
         return fn
 
     return decorate
@@ -86,6 +101,7 @@ from pergrad.rules import (  # noqa: E402,F401
     einsum_dense,
     embedding,
     normalization,
+    recurrent,
 )
 
 __all__ = ["Factored", "Form", "LayerCall", "Materialized", "Rows", "Rule", "combine",
