@@ -317,6 +317,13 @@ class PerExampleModel(keras.Model):
             self.optimizer.build(self.trainable_variables)
 
     def fit(self, *args, **kwargs):
+        if isinstance(self.distribute_strategy, tf.distribute.MultiWorkerMirroredStrategy) \
+                and self.distribute_strategy.num_replicas_in_sync > 1:
+            raise ValueError(
+                "Keras's fit does not run under MultiWorkerMirroredStrategy (keras-team/keras "
+                "issue 20585). Train with pergrad.keras.fit_distributed(model, x, y, "
+                "batch_size=..., epochs=..., checkpoint_dir=...): the same train step, callbacks "
+                "and aggregator, under strategy.run.")
         if isinstance(self.monitor, keras.callbacks.Callback):
             bound = inspect.signature(keras.Model.fit).bind_partial(self, *args, **kwargs)
             callbacks = list(bound.arguments.get("callbacks") or [])

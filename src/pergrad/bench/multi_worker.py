@@ -1,0 +1,131 @@
+"""Step time of ``fit_distributed`` on 1 and 2 worker processes on this machine (127.0.0.1).
+
+Each configuration starts its workers as processes (``TF_CONFIG`` on localhost ports), trains
+the benchmark CNN (28x28x1, batch 256 global) with ``PerExampleModel`` and ``fit_distributed``
+under ``MultiWorkerMirroredStrategy``, and reports the median time of a training step after one
+warm-up epoch, for ``mean`` (one all-reduce of the P summed gradient entries per step),
+``dp_mean`` (the same, plus noise drawn once) and ``median`` (an all-gather of B x P per-example
+gradient rows). With 2 workers on one 2-core machine there is no speed-up to expect: the table
+shows the cost of the collectives, not scaling. Nothing here is a pass/fail check.
+
+    python benchmarks/bench_multi_worker.py [--quick] [--json PATH]
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+
+AGGREGATORS = ("mean", "dp_mean", "median")
+GLOBAL_BATCH = 256
+
+
+def _ports(count: int) -> list[int]:
+    sockets = [socket.socket() for _ in range(count)]
+    for s in sockets:
+        s.bind(("127.0.0.1", 0))
+    ports = [s.getsockname()[1] for s in sockets]
+    for s in sockets:
+        s.close()
+    return ports
+
+
+def worker(index: int, ports: list[int], aggregator: str, steps: int, out: str) -> None:
+    """One worker process: train, time each step, worker 0 writes the median to ``out``."""
+    os.environ["TF_CONFIG"] = json.dumps({
+        "cluster": {"worker": [f"127.0.0.1:{p}" for p in ports]},
+        "task": {"type": "worker", "index": index}})
+    import keras
+    import numpy as np
+
+    from pergrad import aggregate
+    from pergrad.bench.models import batch, cnn
+    from pergrad.keras import PerExampleModel, fit_distributed, multi_worker_strategy
+
+    strategy = multi_worker_strategy(timeout_seconds=300)
+    make = {"mean": aggregate.mean, "median": aggregate.median,
+            "dp_mean": lambda: aggregate.dp_mean(1.0, 1.0, seed=0)}[aggregator]
+    with strategy.scope():
+        keras.utils.set_random_seed(0)
+        model = PerExampleModel(cnn(), make())
+        model.compile(optimizer=keras.optimizers.SGD(0.01),
+                      loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    x, y = batch("cnn", GLOBAL_BATCH * steps)
+    times: list[float] = []
+
+    class Timer(keras.callbacks.Callback):
+        def on_train_batch_begin(self, step, logs=None):
+            self.start = time.perf_counter()
+
+        def on_train_batch_end(self, step, logs=None):
+            times.append(time.perf_counter() - self.start)
+
+    fit_distributed(model, x, y, batch_size=GLOBAL_BATCH, epochs=2, shuffle=False,
+                    callbacks=[Timer()], strategy=strategy)
+    if index == 0:
+        with open(out, "w") as handle:
+            json.dump({"median_s": float(np.median(times[steps:]))}, handle)
+    sys.stdout.flush()
+    os._exit(0)
+
+
+def measure(workers: int, aggregator: str, steps: int) -> float:
+    ports = _ports(workers)
+    with tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, "time.json")
+        env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", CUDA_VISIBLE_DEVICES="")
+        procs = [subprocess.Popen([sys.executable, "-m", "pergrad.bench.multi_worker", "--worker",
+                                   str(i), ",".join(map(str, ports)), aggregator, str(steps),
+                                   out], env=env, stdout=subprocess.DEVNULL,
+                                  stderr=subprocess.PIPE, text=True) for i in range(workers)]
+        try:
+            for proc in procs:
+                _, err = proc.communicate(timeout=900)
+                if proc.returncode != 0:
+                    raise RuntimeError(f"worker failed:\n{err[-2000:]}")
+        finally:
+            for proc in procs:
+                if proc.poll() is None:
+                    proc.kill()
+        with open(out) as handle:
+            return json.load(handle)["median_s"]
+
+
+def run(quick: bool = False) -> list[dict]:
+    steps = 3 if quick else 10
+    rows = []
+    for aggregator in AGGREGATORS:
+        one = measure(1, aggregator, steps)
+        two = measure(2, aggregator, steps)
+        rows.append({"aggregator": aggregator, "one_worker_ms": 1e3 * one,
+                     "two_workers_ms": 1e3 * two, "ratio": two / one})
+    return rows
+
+
+def markdown(rows: list[dict]) -> str:
+    lines = ["| aggregator | 1 worker, ms/step | 2 workers, ms/step | 2 / 1 |", "|---|---|---|---|"]
+    for r in rows:
+        lines.append(f"| {r['aggregator']} | {r['one_worker_ms']:.0f} | "
+                     f"{r['two_workers_ms']:.0f} | {r['ratio']:.2f}x |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv and argv[0] == "--worker":
+        index, ports, aggregator, steps, out = argv[1:6]
+        worker(int(index), [int(p) for p in ports.split(",")], aggregator, int(steps), out)
+        return 0
+    from pergrad.bench.timing import script_main
+
+    return script_main("fit_distributed step time on 1 and 2 local workers.", run, markdown,
+                       argv, quick_help="3 steps per epoch")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,146 @@
+"""Two real worker processes on 127.0.0.1 under MultiWorkerMirroredStrategy (``fit_distributed``):
+the same update as one process with the same global batch for mean, clip_mean, dp_mean and
+median; DP noise added once per global step with std ``C sigma / B``; a worker killed in the
+middle of an epoch is reported, and a restart resumes to exactly the uninterrupted result."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import keras
+import numpy as np
+import pytest
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+import multi_worker_script as script  # noqa: E402
+
+TIMEOUT = 150  # seconds for one launch of both workers
+
+
+def _free_ports(count: int) -> list[int]:
+    sockets = [socket.socket() for _ in range(count)]
+    for s in sockets:
+        s.bind(("127.0.0.1", 0))
+    ports = [s.getsockname()[1] for s in sockets]
+    for s in sockets:
+        s.close()
+    return ports
+
+
+def _launch(mode: str, out: Path) -> list[subprocess.CompletedProcess]:
+    """Both workers of ``mode``; each is stopped by its own process id when time runs out."""
+    ports = ",".join(map(str, _free_ports(2)))
+    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", CUDA_VISIBLE_DEVICES="")
+    procs = [subprocess.Popen([sys.executable, str(HERE / "multi_worker_script.py"), str(i),
+                               ports, mode, str(out)], stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True, env=env) for i in range(2)]
+    deadline = time.monotonic() + TIMEOUT
+    results = []
+    try:
+        for proc in procs:
+            stdout, stderr = proc.communicate(timeout=max(1.0, deadline - time.monotonic()))
+            results.append(subprocess.CompletedProcess(proc.args, proc.returncode, stdout,
+                                                       stderr))
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                os.kill(proc.pid, signal.SIGKILL)
+                proc.wait()
+    return results
+
+
+def _single_process(aggregator, epochs: int = 1, **fit) -> list[np.ndarray]:
+    x, y, w = script.data()
+    model = script.compiled(aggregator)
+    model.fit(x, y, sample_weight=w, batch_size=script.BATCH, epochs=epochs, shuffle=False,
+              verbose=0, **fit)
+    return model.model.get_weights()
+
+
+def test_two_workers_equal_one_process_and_add_noise_once(tmp_path):
+    """mean, clip_mean, dp_mean and median: the weights after one epoch (3 global steps of 16,
+    8 examples per worker) equal one process's; the DP noise has std ``C sigma / B`` per step."""
+    done = _launch("train", tmp_path)
+    for proc in done:
+        assert proc.returncode == 0, proc.stderr[-3000:]
+    trained = json.loads((tmp_path / "train.json").read_text())
+    assert trained["replicas"] == 2
+    assert "fit_distributed" in trained["fit_refused"]  # Keras's fit cannot; says what can
+    for name in ("mean", "clip_mean", "dp_mean", "median"):
+        expected = _single_process(script.AGGREGATORS[name]())
+        for got, want in zip(trained[name]["weights"], expected, strict=True):
+            np.testing.assert_allclose(np.asarray(got), want, rtol=1e-5, atol=1e-6,
+                                       err_msg=name)
+    # Three SGD steps: the noisy and noiseless runs differ by lr * sum_t z_t C sigma / B with z_t
+    # standard normal, std lr C sigma sqrt(3) / B per entry (sqrt(2) times larger if each
+    # worker added its own noise).
+    noisy = np.concatenate([np.ravel(v) for v in trained["dp_mean"]["weights"]])
+    plain = np.concatenate([np.ravel(v) for v in trained["dp_mean_no_noise"]["weights"]])
+    expected_std = script.LR * 0.5 * 1.0 * np.sqrt(script.N // script.BATCH) / script.BATCH
+    assert abs(np.std(noisy - plain) / expected_std - 1) < 0.2, np.std(noisy - plain)
+
+
+def test_a_lost_worker_is_reported_and_a_restart_resumes_exactly(tmp_path):
+    crashed = _launch("crash", tmp_path)
+    assert crashed[1].returncode == 3  # worker 1 left in the middle of epoch 2
+    assert crashed[0].returncode == 0, crashed[0].stderr[-3000:]
+    first = json.loads((tmp_path / "crash.json").read_text())
+    assert "A worker stopped responding" in first["failure"]
+    assert "(epoch 1, step 2)" in first["failure"]  # saved just before worker 1 left
+    resumed = _launch("resume", tmp_path)
+    for proc in resumed:
+        assert proc.returncode == 0, proc.stderr[-3000:]
+    after = json.loads((tmp_path / "resume.json").read_text())["dp_run"]
+    # The uninterrupted run, on one process with the same global batches and noise keys.
+    reference = script.dp_run_on_one_process(str(tmp_path / "one"))
+    for got, want in zip(after["weights"], reference["weights"], strict=True):
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-6)
+    assert after["noise_state"] == reference["noise_state"] == [7, 9]  # 3 epochs x 3 steps
+    assert after["iterations"] == reference["iterations"] == 9
+    # Every step charged once: the privacy count follows the restored noise stream.
+    assert after["privacy_steps"] == reference["privacy_steps"] == 9
+
+
+def test_fit_distributed_refuses_bad_calls():
+    from pergrad.keras.distributed import fit_distributed
+
+    x, y, _ = script.data()
+    model = script.compiled(script.AGGREGATORS["mean"]())
+    with pytest.raises(ValueError, match="batch_size"):
+        fit_distributed(model, x, y)
+    with pytest.raises(ValueError, match="epochs"):
+        fit_distributed(model, x, y, batch_size=8, epochs=0)
+    with pytest.raises(ValueError, match="checkpoint_dir"):
+        fit_distributed(model, x, y, batch_size=8, checkpoint_every_n_steps=2)
+    import tensorflow as tf
+
+    endless = tf.data.Dataset.from_tensor_slices((x, y)).batch(8).repeat()
+    with pytest.raises(ValueError, match="known, finite length"):
+        fit_distributed(model, endless)
+    plain = keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)])
+    with pytest.raises(ValueError, match="Compile"):
+        fit_distributed(plain, x, y, batch_size=8)
+
+
+def test_fit_distributed_on_one_device_equals_fit():
+    """Under the default strategy, fit_distributed with a dataset is Keras's fit."""
+    import tensorflow as tf
+
+    from pergrad.keras.distributed import fit_distributed
+
+    x, y, w = script.data()
+    model = script.compiled(script.AGGREGATORS["clip_mean"]())
+    data = tf.data.Dataset.from_tensor_slices((x, y, w)).batch(script.BATCH)
+    history = fit_distributed(model, data, epochs=2)
+    expected = _single_process(script.AGGREGATORS["clip_mean"](), epochs=2)
+    for got, want in zip(model.model.get_weights(), expected, strict=True):
+        np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-7)
+    assert len(history.history["loss"]) == 2
