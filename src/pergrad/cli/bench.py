@@ -34,9 +34,13 @@ def add_parser(commands) -> None:
     parser.add_argument("--quick", action="store_true",
                         help="fewer strategies and repetitions: under a minute per suite")
     parser.add_argument("--models", type=_csv(str), default=("mlp", "cnn", "transformer"),
-                        help="engine models, comma-separated (default: mlp,cnn,transformer)")
-    parser.add_argument("--batch-sizes", type=_csv(int), default=(64, 256),
-                        help="engine batch sizes, comma-separated (default: 64,256)")
+                        help="engine models, comma-separated, from mlp, cnn, transformer, "
+                             "resnet, mobilenet, text_cnn, gru, embedding_bag "
+                             "(default: mlp,cnn,transformer)")
+    parser.add_argument("--batch-sizes", type=_csv(int), default=None,
+                        help="engine batch sizes, comma-separated (default: per model: 64,256 "
+                             "for mlp, cnn, transformer; 128 for resnet, mobilenet, gru; 256 "
+                             "for text_cnn, embedding_bag)")
     parser.add_argument("--suites", type=_csv(str), default=("engine",),
                         help=f"which benchmarks, comma-separated from {','.join(SUITES)} "
                              "(default: engine)")
@@ -49,7 +53,7 @@ def run(args: argparse.Namespace) -> int:
 
     unknown = [m for m in args.models if m not in MODELS]
     bad_suites = [s for s in args.suites if s not in SUITES]
-    if unknown or bad_suites or any(b < 1 for b in args.batch_sizes):
+    if unknown or bad_suites or any(b < 1 for b in args.batch_sizes or ()):
         what = (f"unknown models {unknown}" if unknown else f"unknown suites {bad_suites}"
                 if bad_suites else "batch sizes must be positive")
         print(f"pergrad bench: error: {what}", file=sys.stderr)

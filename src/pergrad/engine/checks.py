@@ -26,6 +26,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 
+from pergrad._compat import sublayers
 from pergrad.rules.normalization import MixesExamplesError
 
 # Unit roundoff u = 2^-p of each floating dtype (p significand bits, the implicit one included).
@@ -90,7 +91,7 @@ def compute_dtype(model) -> tf.DType:
     """The least precise floating compute dtype among ``model`` and all its layers
     (``float16`` under ``mixed_float16``, even if some layers compute in float32)."""
     dtypes = {tf.as_dtype(keras.backend.standardize_dtype(layer.compute_dtype))
-              for layer in model._flatten_layers(include_self=True, recursive=True)}
+              for layer in sublayers(model, include_self=True)}
     floating = [d for d in dtypes if d in _ROUNDOFF]
     if not floating:
         return tf.as_dtype(keras.config.floatx())

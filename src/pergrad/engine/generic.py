@@ -27,13 +27,9 @@ import warnings
 import keras
 import tensorflow as tf
 
+from pergrad._compat import AutocastScope, owns_seed_generator, sublayers
 from pergrad.rules import LayerCall
 from pergrad.rules.forms import Materialized
-
-try:  # Keras has no public name for the scope Layer.__call__ opens under mixed precision
-    from keras.src.backend import AutocastScope
-except ImportError:  # pragma: no cover - a Keras that moved it: replay without casting, as before
-    AutocastScope = None
 
 
 def _is_batched(leaf, batch_size: int | None) -> bool:
@@ -72,8 +68,7 @@ def _quiet_pfor():
 
 def draws_random(layer) -> bool:
     """Whether ``layer`` or one of its sublayers owns a Keras ``SeedGenerator`` (dropout)."""
-    return any(getattr(sub, "_seed_generators", None)
-               for sub in layer._flatten_layers(include_self=True))
+    return any(owns_seed_generator(sub) for sub in sublayers(layer, include_self=True))
 
 
 def recorded_vjps(tape: tf.GradientTape, layer, outputs: list, grads: list) -> list[Materialized]:

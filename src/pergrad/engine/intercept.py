@@ -11,8 +11,7 @@ from __future__ import annotations
 
 import contextlib
 
-import tensorflow as tf
-
+from pergrad._compat import current_graph, delete_untracked, set_untracked
 from pergrad.engine.plan import Plan
 from pergrad.rules import LayerCall
 
@@ -21,8 +20,7 @@ class ControlFlowError(NotImplementedError):
     """A tapped layer ran inside a loop (a custom RNN cell, ``tf.map_fn``) and cannot be tapped."""
 
 
-def _graph():
-    return tf.compat.v1.get_default_graph()
+_graph = current_graph
 
 
 @contextlib.contextmanager
@@ -52,11 +50,11 @@ def record_calls(plan: Plan):
                 return outputs
             activation = getattr(layer, "activation", None) if split else None
             if activation is not None:
-                object.__setattr__(layer, "activation", None)
+                set_untracked(layer, "activation", None)
                 try:
                     tapped = original(*args, **kwargs)
                 finally:
-                    object.__setattr__(layer, "activation", activation)
+                    set_untracked(layer, "activation", activation)
                 outputs = activation(tapped)
             else:
                 tapped = outputs = original(*args, **kwargs)
@@ -64,7 +62,7 @@ def record_calls(plan: Plan):
             return outputs
 
         had_own = "call" in layer.__dict__
-        object.__setattr__(layer, "call", wrapper)
+        set_untracked(layer, "call", wrapper)
         patched.append((layer, had_own, original))
 
     def install_check(layer, rule):
@@ -75,7 +73,7 @@ def record_calls(plan: Plan):
             return original(*args, **kwargs)
 
         had_own = "call" in layer.__dict__
-        object.__setattr__(layer, "call", wrapper)
+        set_untracked(layer, "call", wrapper)
         patched.append((layer, had_own, original))
 
     try:
@@ -89,6 +87,6 @@ def record_calls(plan: Plan):
     finally:
         for layer, had_own, original in reversed(patched):
             if had_own:
-                object.__setattr__(layer, "call", original)
+                set_untracked(layer, "call", original)
             else:
-                object.__delattr__(layer, "call")
+                delete_untracked(layer, "call")

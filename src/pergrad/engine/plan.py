@@ -24,6 +24,7 @@ from typing import Any
 
 import keras
 
+from pergrad._compat import own_trainable_variables, sublayers
 from pergrad.rules import Rule, find_rule
 
 _OPAQUE = (keras.layers.RNN, keras.layers.Bidirectional, keras.layers.TimeDistributed)
@@ -49,11 +50,11 @@ class Plan:
 
 
 def _own_trainable(layer) -> list:
-    return [v for v in getattr(layer, "_trainable_variables", []) if v.trainable]
+    return own_trainable_variables(layer)
 
 
 def _sublayers(layer) -> list:
-    return layer._flatten_layers(include_self=False, recursive=False)
+    return sublayers(layer, recursive=False)
 
 
 def make_plan(model) -> Plan:
@@ -82,7 +83,7 @@ def make_plan(model) -> Plan:
     # Layers without trainable weights are not tapped, but one that mixes examples (a
     # BatchNormalization without scale and offset) must still be refused in training mode.
     ruled = {id(layer) for layer, _ in plan.ruled}
-    for layer in model._flatten_layers(include_self=False, recursive=True):
+    for layer in sublayers(model):
         rule = find_rule(layer)
         if (id(layer) not in ruled and rule is not None and rule.check_call is not None
                 and layer.trainable):

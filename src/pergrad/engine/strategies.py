@@ -7,6 +7,7 @@ from typing import Any
 
 import tensorflow as tf
 
+from pergrad._compat import call_takes_training
 from pergrad.engine.generic import autocast_scope, draws_random, generic_forms, recorded_vjps
 from pergrad.engine.intercept import record_calls
 from pergrad.engine.plan import Plan
@@ -98,7 +99,7 @@ def _one_example_fn(model, loss_fn, training: bool, values, frozen):
         xi, yi, wi = elems if len(elems) == 3 else (elems[0], None, elems[1])
         with tf.GradientTape() as tape, autocast_scope(model):
             tape.watch(values)
-            kwargs = {"training": training} if getattr(model, "_call_has_training_arg", True) else {}
+            kwargs = {"training": training} if call_takes_training(model) else {}
             predictions, _ = model.stateless_call(values, frozen, xi, **kwargs)
             loss = weighted_losses(loss_fn(yi, predictions), wi)[0]
         grads = tape.gradient(loss, values, unconnected_gradients=tf.UnconnectedGradients.ZERO)

@@ -19,6 +19,7 @@ from typing import Any
 import keras
 import tensorflow as tf
 
+from pergrad._compat import backing_tf_variable
 from pergrad.jacobian._call import make_caller
 from pergrad.jacobian._compile import Traced, compiled_for
 from pergrad.jacobian._modes import ZERO, scalar_objective
@@ -37,8 +38,7 @@ def _as_tf_variable(leaf: Any) -> tf.Variable | None:
     if isinstance(leaf, tf.Variable):
         return leaf
     if isinstance(leaf, keras.Variable):
-        value = leaf.value
-        return value if isinstance(value, tf.Variable) else leaf._value
+        return backing_tf_variable(leaf)
     return None
 
 

@@ -27,6 +27,7 @@ import keras
 import tensorflow as tf
 
 from pergrad import aggregate
+from pergrad._compat import compiled_loss, loss_tracker
 from pergrad.aggregate import noise
 from pergrad.engine import PerExample, compute_dtype, mixing_tolerance
 from pergrad.rules.normalization import MixesExamplesError
@@ -535,9 +536,9 @@ class PerExampleModel(keras.Model):
             sw = tf.convert_to_tensor(sample_weight)
             weight = tf.reshape(tf.cast(weight, sw.dtype), [-1] + [1] * (sw.shape.rank - 1))
             weight = _zero_rows(sw, keep) * weight
-        loss = self._compute_loss(x=x, y=y, y_pred=y_pred, sample_weight=weight, training=True)
+        loss = compiled_loss(self, x, y, y_pred, weight)
         # Keras scales the per-replica loss by 1 / replicas; its tracker undoes that.
-        self._loss_tracker.update_state(loss * tf.cast(replicas, loss.dtype),
+        loss_tracker(self).update_state(loss * tf.cast(replicas, loss.dtype),
                                         sample_weight=batch)
         self.dropped_examples.update_state(dropped)
         counted = tf.reduce_any(tf.reshape(tf.not_equal(weight, 0), [batch, -1]), axis=1)

@@ -11,6 +11,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 
+from pergrad._compat import summary_metadata
 from pergrad.engine import PerExampleResult
 from pergrad.keras.example_tables import ExampleTables
 from pergrad.stats import (
@@ -347,9 +348,7 @@ class GradientMonitor(keras.callbacks.Callback):
                     _histogram(f"per_example/{key}", data, step)
 
 
-def _metadata(plugin: str) -> tf.compat.v1.SummaryMetadata:
-    return tf.compat.v1.SummaryMetadata(
-        plugin_data=tf.compat.v1.SummaryMetadata.PluginData(plugin_name=plugin))
+_metadata = summary_metadata
 
 
 def _scalar(tag: str, value: float, step: int) -> None:

@@ -32,6 +32,8 @@ from dataclasses import dataclass, field
 
 import tensorflow as tf
 
+from pergrad._compat import current_graph
+
 
 def _static(dim: int | None) -> int | None:
     return None if dim is None else int(dim)
@@ -91,7 +93,7 @@ class Factored:
         multiplies fastest (``matmul(D, A, transpose_a=True)``: 0.6 ms against 1.8 ms for
         ``A^T D`` with the benchmark CNN's first layer). Built once per form: norms, dots and
         Gram matrices share it; only ``materialize`` transposes it to the variable's layout."""
-        graph = tf.compat.v1.get_default_graph()
+        graph = current_graph()
         if self._matrices is None or self._matrices[0] is not graph:
             a, d = self.a, self.d
             if a.shape[1] == 1:  # one position: a plain outer product

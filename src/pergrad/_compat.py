@@ -1,0 +1,86 @@
+"""Every private Keras or TensorFlow name pergrad uses, in one place (tests/test_compat.py checks
+each against the installed versions).
+
+Keras 3 and TensorFlow give no public way to do these; each function says what it wraps, so a
+Keras release that moves a name breaks one tested function here instead of the engine.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import tensorflow as tf
+
+try:  # Keras has no public name for the scope Layer.__call__ opens under mixed precision.
+    from keras.src.backend import AutocastScope
+except ImportError:  # pragma: no cover - a Keras that moved it: replay without casting
+    AutocastScope = None
+
+
+def sublayers(layer: Any, include_self: bool = False, recursive: bool = True) -> list:
+    """The layers inside ``layer`` (``Layer._flatten_layers``), depth first."""
+    return list(layer._flatten_layers(include_self=include_self, recursive=recursive))
+
+
+def own_trainable_variables(layer: Any) -> list:
+    """The trainable variables ``layer`` created itself, not those of its sublayers
+    (``Layer._trainable_variables``)."""
+    return [v for v in getattr(layer, "_trainable_variables", []) if v.trainable]
+
+
+def owns_seed_generator(layer: Any) -> bool:
+    """Whether ``layer`` itself owns a ``keras.random.SeedGenerator`` (``_seed_generators``),
+    i.e. draws random numbers in ``call`` (dropout)."""
+    return bool(getattr(layer, "_seed_generators", None))
+
+
+def call_takes_training(model: Any) -> bool:
+    """Whether the model's ``call`` accepts ``training=`` (``_call_has_training_arg``)."""
+    return bool(getattr(model, "_call_has_training_arg", True))
+
+
+def compiled_loss(model: Any, x: Any, y: Any, y_pred: Any, sample_weight: Any) -> tf.Tensor:
+    """The loss Keras's own train step reports: the compiled loss plus the model's losses
+    (weight regularization), scaled per replica (``Model._compute_loss``, which calls
+    ``compute_loss`` with ``training=`` when an override takes it)."""
+    return model._compute_loss(x=x, y=y, y_pred=y_pred, sample_weight=sample_weight,
+                               training=True)
+
+
+def loss_tracker(model: Any) -> Any:
+    """The ``Mean`` metric behind the ``loss`` entry of Keras's logs (``Model._loss_tracker``)."""
+    return model._loss_tracker
+
+
+def backing_tf_variable(variable: Any) -> tf.Variable | None:
+    """The ``tf.Variable`` a Keras 3 variable wraps (``Variable._value`` when ``value`` is a
+    read), or ``None`` when it wraps none."""
+    value = variable.value
+    if isinstance(value, tf.Variable):
+        return value
+    inner = getattr(variable, "_value", None)
+    return inner if isinstance(inner, tf.Variable) else None
+
+
+def current_graph() -> Any:
+    """The graph being built now (the eager context's own when not tracing): tells a trace
+    inside a loop body or ``tf.cond`` branch from the outer one (``tf.compat.v1``)."""
+    return tf.compat.v1.get_default_graph()
+
+
+def set_untracked(obj: Any, name: str, value: Any) -> None:
+    """Set an attribute without Keras's tracking (``Layer.__setattr__`` would track a layer or
+    variable value and refuse some names once built)."""
+    object.__setattr__(obj, name, value)
+
+
+def delete_untracked(obj: Any, name: str) -> None:
+    """Delete an attribute set by :func:`set_untracked`."""
+    object.__delattr__(obj, name)
+
+
+def summary_metadata(plugin: str) -> Any:
+    """TensorBoard summary metadata naming ``plugin`` (``"scalars"``, ``"histograms"``): lets
+    the core ``tf.summary.write`` op write what the tensorboard package's helpers would."""
+    return tf.compat.v1.SummaryMetadata(
+        plugin_data=tf.compat.v1.SummaryMetadata.PluginData(plugin_name=plugin))

@@ -1,0 +1,87 @@
+"""Each private Keras/TensorFlow name behind ``pergrad._compat`` still means what pergrad needs,
+on the installed Keras and TensorFlow."""
+
+from __future__ import annotations
+
+import keras
+import numpy as np
+import tensorflow as tf
+
+from pergrad import _compat
+
+L = keras.layers
+
+
+def _nested():
+    inner = keras.Sequential([keras.Input((3,)), L.Dense(4, name="inner_dense"),
+                              L.Dropout(0.5, name="drop")], name="inner")
+    inputs = keras.Input((3,))
+    return keras.Model(inputs, L.Dense(2, name="head")(inner(inputs)), name="outer")
+
+
+def test_layers_and_their_own_variables():
+    model = _nested()
+    names = [layer.name for layer in _compat.sublayers(model)]
+    assert {"inner", "inner_dense", "drop", "head"} <= set(names) and "outer" not in names
+    top = [layer.name for layer in _compat.sublayers(model, recursive=False)]
+    assert "inner_dense" not in top and "inner" in top
+    assert _compat.sublayers(model, include_self=True)[0] is model
+    inner = model.get_layer("inner")
+    assert _compat.own_trainable_variables(inner) == []  # its Dense owns them
+    dense = inner.get_layer("inner_dense")
+    assert {v.path for v in _compat.own_trainable_variables(dense)} == {
+        dense.kernel.path, dense.bias.path}
+    dense.bias.trainable = False
+    assert _compat.own_trainable_variables(dense) == [dense.kernel]
+
+
+def test_seed_generators_and_training_argument():
+    model = _nested()
+    assert _compat.owns_seed_generator(model.get_layer("inner").get_layer("drop"))
+    assert not _compat.owns_seed_generator(model.get_layer("head"))
+    assert _compat.call_takes_training(model)
+
+    class NoTraining(keras.Model):
+        def call(self, x):
+            return x
+
+    assert not _compat.call_takes_training(NoTraining())
+
+
+def test_autocast_scope_casts_variables():
+    assert _compat.AutocastScope is not None
+    v = keras.Variable(np.ones(2, "float32"))
+    with _compat.AutocastScope("float16"):
+        assert keras.ops.convert_to_tensor(v).dtype == "float16"
+    assert keras.ops.convert_to_tensor(v).dtype == "float32"
+
+
+def test_compiled_loss_and_loss_tracker():
+    model = keras.Sequential([keras.Input((3,)), L.Dense(2, kernel_regularizer="l2")])
+    model.compile(optimizer="sgd", loss="mse")
+    x, y = np.ones((4, 3), "float32"), np.zeros((4, 2), "float32")
+    pred = model(x)
+    kernel = model.layers[0].kernel.numpy()
+    expected = float(np.mean(np.square(pred))) + 0.01 * float(np.sum(kernel ** 2))
+    assert np.isclose(float(_compat.compiled_loss(model, x, y, pred, None)), expected, rtol=1e-6)
+    assert isinstance(_compat.loss_tracker(model), keras.metrics.Mean)
+
+
+def test_backing_variable_graph_and_untracked_attributes():
+    v = keras.Variable(np.zeros(3, "float32"))
+    assert isinstance(_compat.backing_tf_variable(v), tf.Variable)
+    eager = _compat.current_graph()
+
+    @tf.function
+    def traced():
+        return _compat.current_graph() is eager
+
+    assert not bool(traced())
+    layer = L.Dense(2)
+    layer.build((None, 3))
+    _compat.set_untracked(layer, "call", lambda x: x)
+    assert layer.call(5) == 5
+    _compat.delete_untracked(layer, "call")
+    assert "call" not in layer.__dict__
+    meta = _compat.summary_metadata("scalars")
+    assert meta.plugin_data.plugin_name == "scalars"
