@@ -98,13 +98,19 @@ def test_bench_quick_runs_and_writes_json(tmp_path):
 
 
 def test_bench_runs_every_suite(tmp_path):
+    """The quick training, monitor and jacobian suites; on the CNN only, unless
+    PERGRAD_FULL_TESTS=1 asks for every default model (the transformer's traces double the
+    time)."""
     path = tmp_path / "suites.json"
-    done = pergrad("bench", "--quick", "--suites", "training,monitor,jacobian", "--json", str(path),
-                   timeout=600)
+    models = [] if os.environ.get("PERGRAD_FULL_TESTS") == "1" else ["--models", "cnn"]
+    done = pergrad("bench", "--quick", "--suites", "training,monitor,jacobian", *models,
+                   "--json", str(path), timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     results = json.loads(path.read_text())
     assert set(results) == {"training", "monitor", "jacobian"}
     assert all(results[suite] for suite in results)
+    expected = {"cnn"} if models else {"cnn", "transformer"}
+    assert {row["model"] for row in results["training"]} == expected
     assert "x plain Keras" in done.stdout and "tf.function tape" in done.stdout
 
 

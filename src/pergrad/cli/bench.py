@@ -20,6 +20,7 @@ def _csv(kind):
 
 
 SUITES = ("engine", "training", "monitor", "jacobian", "label-errors")
+MODEL_SUITES = ("training", "monitor")  # besides the engine, the suites --models applies to
 
 
 def add_parser(commands) -> None:
@@ -33,10 +34,11 @@ def add_parser(commands) -> None:
                     "class-dependent; 10% and 30%).")
     parser.add_argument("--quick", action="store_true",
                         help="fewer strategies and repetitions: under a minute per suite")
-    parser.add_argument("--models", type=_csv(str), default=("mlp", "cnn", "transformer"),
-                        help="engine models, comma-separated, from mlp, cnn, transformer, "
-                             "resnet, mobilenet, text_cnn, gru, embedding_bag "
-                             "(default: mlp,cnn,transformer)")
+    parser.add_argument("--models", type=_csv(str), default=None,
+                        help="models, comma-separated, from mlp, cnn, transformer, resnet, "
+                             "mobilenet, text_cnn, gru, embedding_bag, for the engine, training "
+                             "and monitor suites (default: engine mlp,cnn,transformer; training "
+                             "and monitor cnn,transformer)")
     parser.add_argument("--batch-sizes", type=_csv(int), default=None,
                         help="engine batch sizes, comma-separated (default: per model: 64,256 "
                              "for mlp, cnn, transformer; 128 for resnet, mobilenet, gru; 256 "
@@ -51,7 +53,7 @@ def run(args: argparse.Namespace) -> int:
     from pergrad.bench import engine, jacobian, label_errors, monitor, training
     from pergrad.bench.models import MODELS
 
-    unknown = [m for m in args.models if m not in MODELS]
+    unknown = [m for m in args.models or () if m not in MODELS]
     bad_suites = [s for s in args.suites if s not in SUITES]
     if unknown or bad_suites or any(b < 1 for b in args.batch_sizes or ()):
         what = (f"unknown models {unknown}" if unknown else f"unknown suites {bad_suites}"
@@ -62,12 +64,14 @@ def run(args: argparse.Namespace) -> int:
     for suite in args.suites:
         print(f"# {suite}", flush=True)
         if suite == "engine":
-            rows = engine.run(args.quick, args.models, args.batch_sizes)
+            rows = engine.run(args.quick, args.models or ("mlp", "cnn", "transformer"),
+                              args.batch_sizes)
             print(engine.markdown(rows))
         else:
             module = {"training": training, "monitor": monitor, "jacobian": jacobian,
                       "label-errors": label_errors}[suite]
-            rows = module.run(quick=args.quick)
+            chosen = {"models": args.models} if args.models and suite in MODEL_SUITES else {}
+            rows = module.run(quick=args.quick, **chosen)
             print(module.markdown(rows))
         results[suite] = rows
     if args.json:
