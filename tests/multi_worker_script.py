@@ -34,7 +34,6 @@ AGGREGATORS = {
     "mean": lambda: aggregate.mean(),
     "clip_mean": lambda: aggregate.clip_mean(0.5),
     "dp_mean": lambda: aggregate.dp_mean(0.5, 1.0, seed=3),
-    "dp_mean_no_noise": lambda: aggregate.dp_mean(0.5, 0.0, seed=3),
     "median": lambda: aggregate.median(),
 }
 
