@@ -8,7 +8,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -23,23 +22,14 @@ sys.path.insert(0, str(HERE))
 import multi_worker_script as script  # noqa: E402
 
 from pergrad import aggregate  # noqa: E402
+from pergrad.bench.multi_worker import free_ports  # noqa: E402
 
 TIMEOUT = 150  # seconds for one launch of both workers
 
 
-def _free_ports(count: int) -> list[int]:
-    sockets = [socket.socket() for _ in range(count)]
-    for s in sockets:
-        s.bind(("127.0.0.1", 0))
-    ports = [s.getsockname()[1] for s in sockets]
-    for s in sockets:
-        s.close()
-    return ports
-
-
 def _launch(mode: str, out: Path) -> list[subprocess.CompletedProcess]:
     """Both workers of ``mode``; each is stopped by its own process id when time runs out."""
-    ports = ",".join(map(str, _free_ports(2)))
+    ports = ",".join(map(str, free_ports(2)))
     env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", CUDA_VISIBLE_DEVICES="")
     procs = [subprocess.Popen([sys.executable, str(HERE / "multi_worker_script.py"), str(i),
                                ports, mode, str(out)], stdout=subprocess.PIPE,

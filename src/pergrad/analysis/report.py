@@ -4,7 +4,6 @@ training example), the pictures and the pieces of ``summary.json``."""
 from __future__ import annotations
 
 import csv
-import os
 from typing import Any
 
 import numpy as np
@@ -92,8 +91,3 @@ def suspects(analysis: Analysis, labels: Any, count: int, paths: list[str] | Non
             item["path"] = paths[i]
         out.append(item)
     return out
-
-
-def ensure_dir(path: str) -> str:
-    os.makedirs(path, exist_ok=True)
-    return path

@@ -25,7 +25,8 @@ AGGREGATORS = ("mean", "dp_mean", "median")
 GLOBAL_BATCH = 256
 
 
-def _ports(count: int) -> list[int]:
+def free_ports(count: int) -> list[int]:
+    """``count`` TCP ports on 127.0.0.1 that are free now (bound once, then released)."""
     sockets = [socket.socket() for _ in range(count)]
     for s in sockets:
         s.bind(("127.0.0.1", 0))
@@ -75,7 +76,7 @@ def worker(index: int, ports: list[int], aggregator: str, steps: int, out: str) 
 
 
 def measure(workers: int, aggregator: str, steps: int) -> float:
-    ports = _ports(workers)
+    ports = free_ports(workers)
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "time.json")
         env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", CUDA_VISIBLE_DEVICES="")
