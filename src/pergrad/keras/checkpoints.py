@@ -25,6 +25,7 @@ class TracInCheckpoints(keras.callbacks.Callback):
         self.every_n_epochs = int(every_n_epochs)
         self.checkpoints: list[Checkpoint] = []
         self._last_epoch = -1
+        self._final_epoch: int | None = None
 
     def _explained(self) -> keras.Model:
         return getattr(self.model, "model", None) or self.model
@@ -42,6 +43,5 @@ class TracInCheckpoints(keras.callbacks.Callback):
         self._final_epoch = epoch
 
     def on_train_end(self, logs: dict | None = None) -> None:
-        final = getattr(self, "_final_epoch", None)
-        if final is not None:
-            self._keep(final)
+        if self._final_epoch is not None:
+            self._keep(self._final_epoch)

@@ -132,7 +132,8 @@ class GradientMonitor(keras.callbacks.Callback):
 
         Returns ``{name: scalar}`` for the names in ``pergrad.stats.LOGGED_STATISTICS``, in the
         result's norm dtype. Also records what the callback writes and the per-example tables.
-        ``labels`` (the batch's targets), ``learning_rate`` (this step's, for TracIn) and
+        ``labels`` (the batch's targets), ``learning_rate`` (this step's, for TracIn; 1 when not
+        given, so ``self_influence`` is then ``sum_t ||g_i||^2``) and
         ``from_logits`` (whether the predictions are logits; the monitor's own setting wins)
         feed the per-example scores; ``PerExampleModel`` passes all three.
         """
