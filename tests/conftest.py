@@ -2,6 +2,12 @@ import os
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
+if os.environ.get("KERAS_BACKEND") == "jax":
+    # The float64 oracle comparisons need float64 arrays, which JAX gives only with x64 on.
+    import jax
+
+    jax.config.update("jax_enable_x64", True)
+
 import keras  # noqa: E402
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
@@ -26,3 +32,21 @@ def float64():
 @pytest.fixture
 def rng():
     return np.random.default_rng(0)
+
+
+def pytest_configure(config):
+    config.addinivalue_line(
+        "markers", "all_backends: runs on every Keras backend (KERAS_BACKEND=jax runs only these)")
+
+
+def pytest_collection_modifyitems(config, items):
+    """On a backend other than TensorFlow only the tests marked ``all_backends`` run; the rest
+    test TensorFlow-only parts (tf.distribute, the training integration) and are deselected,
+    counted in pytest's summary line."""
+    if keras.backend.backend() == "tensorflow":
+        return
+    selected = [item for item in items if item.get_closest_marker("all_backends")]
+    deselected = [item for item in items if not item.get_closest_marker("all_backends")]
+    if deselected:
+        config.hook.pytest_deselected(items=deselected)
+        items[:] = selected

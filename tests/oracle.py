@@ -1,13 +1,41 @@
-"""The float64 loop oracle: one eager GradientTape per example, written independently of pergrad."""
+"""The float64 loop oracle: one eager gradient per example (a ``GradientTape`` on TensorFlow,
+``jax.grad`` of ``stateless_call`` on JAX), written independently of pergrad."""
 
 from __future__ import annotations
 
+import inspect
+
+import keras
 import numpy as np
-import tensorflow as tf
+from keras import ops
 
 
 def take(structure, i: int):
-    return tf.nest.map_structure(lambda t: None if t is None else np.asarray(t)[i:i + 1], structure)
+    return keras.tree.map_structure(lambda t: None if t is None else np.asarray(t)[i:i + 1],
+                                    structure)
+
+
+def _jax_loop_gradients(model, loss_fn, x, y, sample_weight, training):
+    import jax
+
+    batch = len(keras.tree.flatten(x)[0])
+    variables = model.trainable_variables
+    frozen = [v.value for v in model.non_trainable_variables]
+    grads = [np.zeros((batch, *v.shape)) for v in variables]
+    losses = np.zeros(batch)
+    for i in range(batch):
+        def loss_of(values, i=i):
+            kwargs = {"training": training} if "training" in inspect.signature(model.call).parameters else {}
+            pred, _ = model.stateless_call(values, frozen, take(x, i), **kwargs)
+            loss = ops.sum(loss_fn(take(y, i), pred) if y is not None else loss_fn(pred))
+            if sample_weight is not None:
+                loss = loss * float(np.asarray(sample_weight)[i])
+            return loss
+        loss, g = jax.value_and_grad(loss_of)([v.value for v in variables])
+        for k, gk in enumerate(g):
+            grads[k][i] = np.asarray(gk)
+        losses[i] = float(loss)
+    return grads, losses
 
 
 def loop_gradients(model, loss_fn, x, y=None, sample_weight=None, training=False):
@@ -16,7 +44,11 @@ def loop_gradients(model, loss_fn, x, y=None, sample_weight=None, training=False
     ``loss_fn(y_true, y_pred)`` must return the loss of the single example as a (1, ...) tensor;
     it is summed to a scalar here.
     """
-    batch = len(tf.nest.flatten(x)[0])
+    if keras.backend.backend() == "jax":
+        return _jax_loop_gradients(model, loss_fn, x, y, sample_weight, training)
+    import tensorflow as tf
+
+    batch = len(keras.tree.flatten(x)[0])
     variables = model.trainable_variables
     grads = [np.zeros((batch, *v.shape)) for v in variables]
     losses = np.zeros(batch)
@@ -48,16 +80,14 @@ def keras_loss(loss):
     positions of Keras's elementwise loss), a loss name goes through ``keras.losses.get``, a list
     is one loss per output (summed), ``None`` means the model outputs the loss.
     """
-    import keras
-
     if loss is None:
-        return lambda y_true, y_pred: tf.reduce_sum(y_pred)
+        return lambda y_true, y_pred: ops.sum(y_pred)
     if isinstance(loss, (list, tuple)):
         parts = [keras_loss(part) for part in loss]
-        return lambda y_true, y_pred: tf.add_n(
-            [fn(t, p) for fn, t, p in zip(parts, y_true, y_pred, strict=True)])
+        return lambda y_true, y_pred: sum(
+            fn(t, p) for fn, t, p in zip(parts, y_true, y_pred, strict=True))
     if isinstance(loss, str):
         fn = keras.losses.get(loss)
-        return lambda y_true, y_pred: tf.reduce_sum(fn(y_true, y_pred))
+        return lambda y_true, y_pred: ops.sum(fn(y_true, y_pred))
     summed = type(loss).from_config({**loss.get_config(), "reduction": "sum"})
     return lambda y_true, y_pred: summed(y_true, y_pred)

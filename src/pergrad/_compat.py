@@ -7,8 +7,10 @@ Keras release that moves a name breaks one tested function here instead of the e
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
+import keras
 import tensorflow as tf
 
 try:  # Keras has no public name for the scope Layer.__call__ opens under mixed precision.
@@ -84,3 +86,17 @@ def summary_metadata(plugin: str) -> Any:
     the core ``tf.summary.write`` op write what the tensorboard package's helpers would."""
     return tf.compat.v1.SummaryMetadata(
         plugin_data=tf.compat.v1.SummaryMetadata.PluginData(plugin_name=plugin))
+
+
+def autocast_scope(layer: Any) -> Any:
+    """The variable autocasting ``Layer.__call__`` applies around ``call``, for a replay through
+    ``stateless_call``: inside it a float32 variable reads as the layer's compute dtype
+    (``float16`` under ``mixed_float16``), as in the forward pass; variables created with
+    ``autocast=False`` (normalization statistics) stay as they are. Keras has no public name
+    for the scope (``keras.src.backend.AutocastScope``)."""
+    compute = keras.backend.standardize_dtype(layer.compute_dtype)
+    mixed = compute != keras.backend.standardize_dtype(layer.variable_dtype)
+    if AutocastScope is None or not getattr(layer, "autocast", True) or not mixed \
+            or not keras.backend.is_float_dtype(compute):
+        return contextlib.nullcontext()
+    return AutocastScope(compute)

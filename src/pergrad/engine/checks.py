@@ -24,14 +24,15 @@ from typing import Any
 
 import keras
 import numpy as np
-import tensorflow as tf
+from keras import ops
 
+from pergrad import backend
 from pergrad._compat import sublayers
 from pergrad.rules.normalization import MixesExamplesError
 
 # Unit roundoff u = 2^-p of each floating dtype (p significand bits, the implicit one included).
-_ROUNDOFF = {tf.float64: 2.0 ** -53, tf.float32: 2.0 ** -24, tf.float16: 2.0 ** -11,
-             tf.bfloat16: 2.0 ** -8}
+_ROUNDOFF = {"float64": 2.0 ** -53, "float32": 2.0 ** -24, "float16": 2.0 ** -11,
+             "bfloat16": 2.0 ** -8}
 
 # Losses of one example in and out of a batch differ only by rounding in a model that does not
 # mix: a few units of roundoff u per layer, amplified by the loss's conditioning, and more where a
@@ -41,32 +42,45 @@ _ROUNDOFF = {tf.float64: 2.0 ** -53, tf.float32: 2.0 ** -24, tf.float16: 2.0 ** 
 # (1.7e3 u), 1e-2 (20 u) and 5e-2 (13 u: one ulp of a bfloat16 prediction, 2u, already moves a
 # squared error by 4u relative): far above rounding, far below what mixing does (a mean over the
 # batch moves losses by O(1)).
-_MIXING_RTOL = {tf.float64: 1e-10, tf.float32: 1e-4, tf.float16: 1e-2, tf.bfloat16: 5e-2}
+_MIXING_RTOL = {"float64": 1e-10, "float32": 1e-4, "float16": 1e-2, "bfloat16": 5e-2}
 
 # sum_i g_i against the batch gradient, relative to its largest entry: the engine sums B terms in
 # another order, and under mixed precision multiplies half-precision activations and output
 # gradients in float32, while the reference tape runs the half-precision backward kernels. On the
 # zoo the largest error was 8e-16 (float64), 5e-7 (float32), 3.6e-3 (float16) and 4.4e-2
 # (bfloat16, a convolution's filter gradient). A weight used outside its layer errs by O(1).
-_GRADIENT_RTOL = {tf.float64: 1e-8, tf.float32: 1e-4, tf.float16: 2e-2, tf.bfloat16: 1e-1}
+_GRADIENT_RTOL = {"float64": 1e-8, "float32": 1e-4, "float16": 2e-2, "bfloat16": 1e-1}
 
 
-def _floating(dtype: Any) -> tf.DType:
-    dtype = tf.as_dtype(keras.backend.standardize_dtype(dtype))
-    if dtype not in _ROUNDOFF:
+def _floating(dtype: Any) -> str:
+    name = keras.backend.standardize_dtype(getattr(dtype, "name", dtype))
+    if name not in _ROUNDOFF:
         raise ValueError(f"Expected a floating dtype (float16, bfloat16, float32, float64), got "
-                         f"{dtype.name}.")
-    return dtype
+                         f"{name}.")
+    return name
 
 
-def _effective(dtype: Any) -> tf.DType:
+def _tensor_float_32() -> bool:
+    """Whether float32 matmuls run as TensorFloat-32: TensorFlow's default on a GPU, and JAX's
+    default matmul precision on a GPU."""
+    if backend.is_tensorflow():
+        import tensorflow as tf
+        return bool(tf.config.experimental.tensor_float_32_execution_enabled()
+                    and tf.config.list_physical_devices("GPU"))
+    if backend.is_jax():
+        import jax
+        return jax.default_backend() == "gpu" and jax.config.jax_default_matmul_precision in (
+            None, "default", "bfloat16", "tensorfloat32")
+    return False
+
+
+def _effective(dtype: Any) -> str:
     """The dtype whose rounding the computation has: float32 matmuls and convolutions on a GPU
-    run as TensorFloat-32 (TensorFlow's default on Ampere and later), whose 10-bit significand is
+    run as TensorFloat-32 (the default on Ampere and later), whose 10-bit significand is
     float16's, so float32 then gets float16's tolerances."""
     dtype = _floating(dtype)
-    if dtype == tf.float32 and tf.config.experimental.tensor_float_32_execution_enabled() \
-            and tf.config.list_physical_devices("GPU"):
-        return tf.float16
+    if dtype == "float32" and _tensor_float_32():
+        return "float16"
     return dtype
 
 
@@ -87,53 +101,77 @@ def gradient_tolerance(dtype: Any) -> float:
     return _GRADIENT_RTOL[_effective(dtype)]
 
 
-def compute_dtype(model) -> tf.DType:
+_STATISTICS_LAYERS = tuple(getattr(keras.layers, name) for name in (
+    "LayerNormalization", "RMSNormalization", "GroupNormalization", "BatchNormalization")
+    if hasattr(keras.layers, name))
+
+
+def _layer_rounding(layer) -> str:
+    """The dtype whose rounding ``layer``'s output has. On JAX, Keras's dtype promotion maps
+    64-bit results to 32-bit (``keras.backend.result_type("float64", "float32")`` is
+    ``"float32"``, to match JAX's default), so normalization layers compute their statistics in
+    float32 even in a float64 model: they round as float32."""
+    dtype = keras.backend.standardize_dtype(layer.compute_dtype)
+    if dtype == "float64" and backend.is_jax() and isinstance(layer, _STATISTICS_LAYERS):
+        return "float32"
+    return dtype
+
+
+def compute_dtype(model) -> str:
     """The least precise floating compute dtype among ``model`` and all its layers
-    (``float16`` under ``mixed_float16``, even if some layers compute in float32)."""
-    dtypes = {tf.as_dtype(keras.backend.standardize_dtype(layer.compute_dtype))
-              for layer in sublayers(model, include_self=True)}
+    (``"float16"`` under ``mixed_float16``, even if some layers compute in float32)."""
+    dtypes = {_layer_rounding(layer) for layer in sublayers(model, include_self=True)}
     floating = [d for d in dtypes if d in _ROUNDOFF]
     if not floating:
-        return tf.as_dtype(keras.config.floatx())
+        return keras.config.floatx()
     return max(floating, key=lambda d: _ROUNDOFF[d])
 
 
-def _take(structure, index: tf.Tensor):
+def _take(structure, index):
     """Rows ``index`` (shape ``(1,)``) of every tensor of a nested structure."""
-    return tf.nest.map_structure(lambda t: None if t is None else tf.gather(t, index), structure)
+    return keras.tree.map_structure(
+        lambda t: None if t is None else ops.take(t, index, axis=0), structure)
 
 
-def _relative(in_batch: tf.Tensor, alone: tf.Tensor, floor: tf.Tensor) -> tf.Tensor:
+def _relative(in_batch, alone, floor):
     """``|a - b| / max(|a|, |b|, floor)``; 0 where both are non-finite, inf where one is."""
-    finite_a, finite_b = tf.math.is_finite(in_batch), tf.math.is_finite(alone)
-    a = tf.where(finite_a, in_batch, tf.zeros_like(in_batch))
-    b = tf.where(finite_b, alone, tf.zeros_like(alone))
-    scale = tf.maximum(tf.maximum(tf.abs(a), tf.abs(b)), floor)
-    tiny = tf.constant(np.finfo(np.float64).tiny, tf.float64)
-    relative = tf.abs(a - b) / tf.maximum(scale, tiny)
-    one_sided = tf.not_equal(finite_a, finite_b)
-    return tf.where(one_sided, tf.constant(np.inf, tf.float64), relative)
+    finite_a, finite_b = ops.isfinite(in_batch), ops.isfinite(alone)
+    a = ops.where(finite_a, in_batch, ops.zeros_like(in_batch))
+    b = ops.where(finite_b, alone, ops.zeros_like(alone))
+    scale = ops.maximum(ops.maximum(ops.abs(a), ops.abs(b)), floor)
+    tiny = ops.cast(np.finfo(np.float32).tiny, a.dtype)
+    relative = ops.abs(a - b) / ops.maximum(scale, tiny)
+    one_sided = ops.not_equal(finite_a, finite_b)
+    return ops.where(one_sided, ops.cast(np.inf, a.dtype), relative)
 
 
-def mixing_differences(model, loss_fn, x, y, num_examples: int) -> tf.Tensor:
-    """``(n,)`` float64: the relative difference (module docstring) of example ``k``'s loss in
+def mixing_differences(model, loss_fn, x, y, num_examples: int):
+    """``(n,)`` float64 (float32 on JAX without x64): the relative difference (module docstring) of example ``k``'s loss in
     and out of the batch for ``k < n = num_examples``; with fewer examples than that, the last
     one is repeated. Traceable (a ``tf.function``, a ``tf.cond`` branch): ``num_examples`` model
     calls on one example each, unrolled, no loop."""
-    in_batch = tf.cast(loss_fn(y, model(x, training=False)), tf.float64)
-    size = tf.shape(in_batch)[0]
-    finite = tf.math.is_finite(in_batch)
-    magnitude = tf.where(finite, tf.abs(in_batch), tf.zeros_like(in_batch))
-    floor = tf.reduce_sum(magnitude) / tf.maximum(tf.reduce_sum(tf.cast(finite, tf.float64)), 1.0)
+    wide = _wide_float()
+    in_batch = ops.cast(loss_fn(y, model(x, training=False)), wide)
+    size = ops.shape(in_batch)[0]
+    finite = ops.isfinite(in_batch)
+    magnitude = ops.where(finite, ops.abs(in_batch), ops.zeros_like(in_batch))
+    floor = ops.sum(magnitude) / ops.maximum(ops.sum(ops.cast(finite, wide)), 1.0)
     static = in_batch.shape[0]
     count = num_examples if static is None else max(1, min(num_examples, int(static)))
     differences = []
     for k in range(count):
-        index = tf.reshape(tf.minimum(k, size - 1), [1])
-        alone = tf.cast(loss_fn(_take(y, index), model(_take(x, index), training=False)),
-                        tf.float64)
-        differences.append(_relative(tf.gather(in_batch, index), alone, floor))
-    return tf.concat(differences, axis=0)
+        index = ops.reshape(ops.minimum(k, size - 1), [1])
+        alone = ops.cast(loss_fn(_take(y, index), model(_take(x, index), training=False)), wide)
+        differences.append(_relative(ops.take(in_batch, index, axis=0), alone, floor))
+    return ops.concatenate(differences, axis=0)
+
+
+def _wide_float() -> str:
+    """float64, where the backend computes in it (JAX only with ``jax_enable_x64``)."""
+    if backend.is_jax():
+        import jax
+        return "float64" if jax.config.jax_enable_x64 else "float32"
+    return "float64"
 
 
 def mixing_error(example: int, difference: float) -> MixesExamplesError:

@@ -24,10 +24,9 @@ import contextlib
 import logging
 import warnings
 
-import keras
 import tensorflow as tf
 
-from pergrad._compat import AutocastScope, owns_seed_generator, sublayers
+from pergrad._compat import autocast_scope, owns_seed_generator, sublayers
 from pergrad.rules import LayerCall
 from pergrad.rules.forms import Materialized
 
@@ -37,20 +36,6 @@ def _is_batched(leaf, batch_size: int | None) -> bool:
         return False
     dim = leaf.shape[0]
     return dim is None or batch_size is None or dim == batch_size
-
-
-def autocast_scope(layer):
-    """The variable autocasting ``Layer.__call__`` applies around ``call``, for a replay through
-    ``stateless_call``: inside it a float32 variable reads as the layer's compute dtype
-    (``float16`` under ``mixed_float16``), as in the forward pass; variables created with
-    ``autocast=False`` (normalization statistics) stay as they are. Keras has no public name
-    for the scope."""
-    compute = keras.backend.standardize_dtype(layer.compute_dtype)
-    mixed = compute != keras.backend.standardize_dtype(layer.variable_dtype)
-    if AutocastScope is None or not getattr(layer, "autocast", True) or not mixed \
-            or not tf.as_dtype(compute).is_floating:
-        return contextlib.nullcontext()
-    return AutocastScope(compute)
 
 
 @contextlib.contextmanager

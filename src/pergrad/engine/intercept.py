@@ -5,13 +5,20 @@ arguments and the output. For ruled layers with an ``activation`` the activation
 wrapper *after* recording, so the recorded output is the pre-activation, where the rules' formulas
 live. A rule with a ``forward`` hook (recurrent layers) computes the outputs itself, in place of
 ``call``, and names the tensor to tap. On exit every layer is left exactly as it was.
+
+On JAX, where a backward pass reaches only the inputs of a function, ``tap`` adds a zero
+perturbation (an input of the differentiated function) to every tapped tensor as it is recorded;
+the gradient with respect to that perturbation is the gradient at the tapped tensor.
 """
 
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Callable
+from typing import Any
 
-from pergrad._compat import current_graph, delete_untracked, set_untracked
+from pergrad import backend
+from pergrad._compat import delete_untracked, set_untracked
 from pergrad.engine.plan import Plan
 from pergrad.rules import LayerCall
 
@@ -20,15 +27,32 @@ class ControlFlowError(NotImplementedError):
     """A tapped layer ran inside a loop (a custom RNN cell, ``tf.map_fn``) and cannot be tapped."""
 
 
-_graph = current_graph
+def _graph() -> Any:
+    """The graph being traced (TensorFlow), to tell a loop body from the outer trace; JAX
+    traces have no such handle, and the JAX engine taps no layer that runs inside a loop."""
+    if backend.is_tensorflow():
+        from pergrad._compat import current_graph
+        return current_graph()
+    return None
 
 
 @contextlib.contextmanager
-def record_calls(plan: Plan):
-    """Yield a dict ``layer id -> list[LayerCall]`` filled while the model runs."""
+def record_calls(plan: Plan, tap: Callable[[Any], Any] | None = None,
+                 order: list | None = None):
+    """Yield a dict ``layer id -> list[LayerCall]`` filled while the model runs.
+
+    ``tap(tensors) -> tensors``, when given, is applied to each tapped (pre-activation) output
+    before the rest of the model sees it; ``order``, when given, receives every ``LayerCall``
+    in the order the calls ran.
+    """
     calls: dict[int, list[LayerCall]] = {}
     outer_graph = _graph()
     patched = []
+
+    def note(record: LayerCall) -> None:
+        calls.setdefault(id(record.layer), []).append(record)
+        if order is not None:
+            order.append(record)
 
     def install(layer, rule):
         original = layer.call
@@ -44,9 +68,12 @@ def record_calls(plan: Plan):
             if rule is not None and rule.check_call is not None:
                 rule.check_call(layer, LayerCall(layer, args, kwargs, None))
             if rule is not None and rule.forward is not None:
+                if tap is not None:
+                    raise NotImplementedError(
+                        f"The rule for {type(layer).__name__} computes its own forward pass; "
+                        f"it runs on the TensorFlow backend only.")
                 outputs, tapped, saved = rule.forward(layer, args, kwargs)
-                calls.setdefault(id(layer), []).append(
-                    LayerCall(layer, args, kwargs, tapped, saved))
+                note(LayerCall(layer, args, kwargs, tapped, saved))
                 return outputs
             activation = getattr(layer, "activation", None) if split else None
             if activation is not None:
@@ -55,10 +82,15 @@ def record_calls(plan: Plan):
                     tapped = original(*args, **kwargs)
                 finally:
                     set_untracked(layer, "activation", activation)
+                if tap is not None:
+                    tapped = tap(tapped)
                 outputs = activation(tapped)
             else:
-                tapped = outputs = original(*args, **kwargs)
-            calls.setdefault(id(layer), []).append(LayerCall(layer, args, kwargs, tapped))
+                tapped = original(*args, **kwargs)
+                if tap is not None:
+                    tapped = tap(tapped)
+                outputs = tapped
+            note(LayerCall(layer, args, kwargs, tapped))
             return outputs
 
         had_own = "call" in layer.__dict__

@@ -6,9 +6,11 @@ from collections.abc import Callable
 from typing import Any
 
 import keras
-import tensorflow as tf
+from keras import ops
 
-PerExampleLoss = Callable[[Any, Any], tf.Tensor]
+from pergrad.backend.ops import add_n, dtype_of, is_floating, rank
+
+PerExampleLoss = Callable[[Any, Any], Any]
 
 _SCALAR_LOSS_HELP = (
     "The loss returned a scalar, but pergrad needs one loss per example, shape (batch,). Pass a "
@@ -39,20 +41,20 @@ def _unreduced(loss: Any) -> Callable:
 
 def _at_least_float32(values):
     def cast(t):
-        if isinstance(t, (tf.Tensor, tf.Variable)) and t.dtype in (tf.float16, tf.bfloat16):
-            return tf.cast(t, tf.float32)
+        if ops.is_tensor(t) and dtype_of(t) in ("float16", "bfloat16"):
+            return ops.cast(t, "float32")
         return t
-    return tf.nest.map_structure(cast, values) if values is not None else None
+    return keras.tree.map_structure(cast, values) if values is not None else None
 
 
-def _per_example(values: tf.Tensor) -> tf.Tensor:
-    values = tf.convert_to_tensor(values)
-    if values.shape.rank == 0:
+def _per_example(values):
+    values = ops.convert_to_tensor(values)
+    if rank(values) == 0:
         raise ValueError(_SCALAR_LOSS_HELP)
-    if values.shape.rank > 1:
-        values = tf.reduce_sum(values, axis=list(range(1, values.shape.rank)))
-    if not values.dtype.is_floating or values.dtype.size < 4:
-        values = tf.cast(values, tf.float32)
+    if rank(values) > 1:
+        values = ops.sum(values, axis=list(range(1, rank(values))))
+    if not is_floating(values.dtype) or dtype_of(values) in ("float16", "bfloat16"):
+        values = ops.cast(values, "float32")
     return values
 
 
@@ -68,31 +70,31 @@ def per_example_loss(loss: Any) -> PerExampleLoss:
     With ``y_true=None`` the loss is called with ``y_pred`` alone.
     """
     if loss is None:
-        return lambda y_true, y_pred: sum(_per_example(p) for p in tf.nest.flatten(y_pred))
+        return lambda y_true, y_pred: add_n([_per_example(p) for p in keras.tree.flatten(y_pred)])
     if isinstance(loss, (list, tuple, dict)):
-        fns = tf.nest.map_structure(_unreduced, loss)
+        fns = keras.tree.map_structure(_unreduced, loss)
 
         def structured(y_true, y_pred):
             pred_flat = _flatten_like(loss, y_pred, "outputs")
             true_flat = _flatten_like(loss, y_true, "targets") if y_true is not None else None
             terms = []
-            for k, fn in enumerate(tf.nest.flatten(fns)):
+            for k, fn in enumerate(keras.tree.flatten(fns)):
                 args = (pred_flat[k],) if true_flat is None else (true_flat[k], pred_flat[k])
                 terms.append(_per_example(fn(*args)))
-            return tf.add_n(terms)
+            return add_n(terms)
 
         return structured
     fn = _unreduced(loss)
 
     def single(y_true, y_pred):
-        preds = tf.nest.flatten(y_pred)
-        trues = [None] * len(preds) if y_true is None else tf.nest.flatten(y_true)
+        preds = keras.tree.flatten(y_pred)
+        trues = [None] * len(preds) if y_true is None else keras.tree.flatten(y_true)
         if len(trues) != len(preds):
             raise ValueError(f"The model has {len(preds)} outputs but y has {len(trues)} parts; "
                              "pass one target per output.")
         terms = [_per_example(fn(p) if t is None else fn(t, p))
                  for t, p in zip(trues, preds, strict=True)]
-        return tf.add_n(terms) if len(terms) > 1 else terms[0]
+        return add_n(terms) if len(terms) > 1 else terms[0]
 
     return single
 
@@ -103,7 +105,21 @@ def _flatten_like(structure, values, what: str) -> list:
         if missing:
             raise ValueError(f"No model {what} named {sorted(missing)} for the loss dict.")
         return [values[k] for k in sorted(structure)]
-    flat = tf.nest.flatten(values)
-    if len(flat) != len(tf.nest.flatten(structure)):
-        raise ValueError(f"{len(tf.nest.flatten(structure))} losses for {len(flat)} {what}.")
+    flat = keras.tree.flatten(values)
+    if len(flat) != len(keras.tree.flatten(structure)):
+        raise ValueError(f"{len(keras.tree.flatten(structure))} losses for {len(flat)} {what}.")
     return flat
+
+
+def weighted_losses(losses, sample_weight):
+    """``w_i l_i``; ``sample_weight`` is ``None``, ``(B,)`` or ``(B, 1)``."""
+    if sample_weight is None:
+        return losses
+    w = ops.cast(sample_weight, dtype_of(losses))
+    if rank(w) > 1:
+        if any(n != 1 for n in w.shape[1:]):
+            raise ValueError(f"sample_weight must have one weight per example, shape (batch,) "
+                             f"or (batch, 1); got shape {tuple(w.shape)}. Per-timestep weights "
+                             "are not supported: fold them into the loss function instead.")
+        w = ops.reshape(w, [-1])
+    return losses * w

@@ -8,8 +8,9 @@ from typing import Any
 
 import keras
 import numpy as np
-import tensorflow as tf
+from keras import ops
 
+from pergrad import backend
 from pergrad.engine.arguments import positive_integer, positive_real
 from pergrad.engine.checks import (
     compute_dtype,
@@ -18,32 +19,33 @@ from pergrad.engine.checks import (
     mixing_error,
     mixing_tolerance,
 )
-from pergrad.engine.losses import per_example_loss
+from pergrad.engine.losses import per_example_loss, weighted_losses
 from pergrad.engine.plan import Plan, make_plan
 from pergrad.engine.result import PerExampleResult
-from pergrad.engine.strategies import STRATEGIES, run, weighted_losses
+from pergrad.engine.strategies import STRATEGIES, engine_module, run
 
 
 def _to_tensors(structure):
     """Arrays to tensors as Keras's data adapters do: floating arrays become ``floatx``."""
     def convert(leaf):
-        if leaf is None or isinstance(leaf, (tf.Tensor, tf.Variable)):
+        if leaf is None or ops.is_tensor(leaf) or isinstance(leaf, keras.Variable):
             return leaf
         array = np.asarray(leaf)
         if np.issubdtype(array.dtype, np.floating):
             array = array.astype(keras.config.floatx())
-        return tf.convert_to_tensor(array)
-    return tf.nest.map_structure(convert, structure)
+        return ops.convert_to_tensor(array)
+    return keras.tree.map_structure(convert, structure)
 
 
 def _batch_size(x) -> int | None:
     """The static batch size, or ``None`` inside a trace with a dynamic batch dimension."""
-    first = tf.nest.flatten(x)[0]
+    first = keras.tree.flatten(x)[0]
     return None if first.shape[0] is None else int(first.shape[0])
 
 
 def _slice(structure, start: int, stop: int):
-    return tf.nest.map_structure(lambda t: None if t is None else t[start:stop], structure)
+    return keras.tree.map_structure(lambda t: None if t is None else t[start:stop],
+                                    structure)
 
 
 class PerExample:
@@ -90,6 +92,7 @@ class PerExample:
         self._plan: Plan | None = None
         self._compiled: dict[str, Any] = {}
         self._warned: set[int] = set()
+        self._engine = engine_module()
 
     # -- traceable core -------------------------------------------------------------------------
     @property
@@ -102,7 +105,7 @@ class PerExample:
         return self._plan
 
     @property
-    def compute_dtype(self) -> tf.DType:
+    def compute_dtype(self) -> str:
         """The least precise floating compute dtype of the model's layers (``float16`` under
         ``mixed_float16``): the dtype the tolerances of :meth:`check` follow."""
         return compute_dtype(self.model)
@@ -110,18 +113,28 @@ class PerExample:
     def compute(self, x, y=None, sample_weight=None) -> PerExampleResult:
         """The traceable core: a :class:`PerExampleResult` for one batch.
 
-        Call it inside your own ``tf.function`` (a custom training step); the public methods
-        below are compiled wrappers around it.
+        Call it inside your own ``tf.function`` (a custom training step) on TensorFlow, or on
+        JAX inside your own ``jax.jit`` under a ``keras.StatelessScope`` that maps the model's
+        variables to the values being traced; the public methods below are compiled wrappers
+        around it.
         """
         return run(self.strategy, self.model, self.plan, self._loss_fn, x, y, sample_weight,
                    self.training, self._warned)
 
     # -- compiled public methods ----------------------------------------------------------------
     def compiled(self, name: str, body):
-        """``body`` as a ``tf.function`` cached under ``name`` (traced once per input
-        signature, ``reduce_retracing=True``, counted in ``trace_counts[name]``). For code that
-        builds its own computations on :meth:`compute`, as ``pergrad.stats`` does."""
+        """``body`` compiled and cached under ``name``, traced once per input signature and
+        counted in ``trace_counts[name]``: a ``tf.function`` (``reduce_retracing=True``) on
+        TensorFlow, a ``jax.jit`` over the model's variable values and the arguments on JAX.
+        For code that builds its own computations on :meth:`compute`, as ``pergrad.stats``
+        does."""
+        if name not in self._compiled and backend.is_jax():
+            def count():
+                self.trace_counts[name] += 1
+            self._compiled[name] = self._engine.compile_function(self.model, body, count)
         if name not in self._compiled:
+            import tensorflow as tf
+
             def traced(*args):
                 self.trace_counts[name] += 1
                 return body(*args)
@@ -144,7 +157,7 @@ class PerExample:
                              f"of {batch}.")
         return x, y, sample_weight
 
-    def gradients(self, x, y=None, sample_weight=None) -> list[tf.Tensor]:
+    def gradients(self, x, y=None, sample_weight=None) -> list:
         """``g_i`` per trainable variable, each ``(B, *var.shape)``, aligned with
         ``model.trainable_variables``."""
         x, y, sample_weight = self.prepare(x, y, sample_weight)
@@ -156,7 +169,7 @@ class PerExample:
             return fn(x, y, sample_weight)
         parts = [fn(_slice(x, s, s + chunk), _slice(y, s, s + chunk),
                     _slice(sample_weight, s, s + chunk)) for s in range(0, batch, chunk)]
-        return [tf.concat(list(p), axis=0) for p in zip(*parts, strict=True)]
+        return [ops.concatenate(list(p), axis=0) for p in zip(*parts, strict=True)]
 
     def _chunk_size(self, batch: int) -> int:
         if self.memory_budget_bytes is None:
@@ -165,13 +178,13 @@ class PerExample:
                           for v in self.model.trainable_variables)
         return max(1, min(batch, self.memory_budget_bytes // max(per_example, 1)))
 
-    def norms(self, x, y=None, sample_weight=None) -> tf.Tensor:
+    def norms(self, x, y=None, sample_weight=None) -> Any:
         """``||g_i||``, the L2 norm of each example's whole gradient, ``(B,)``."""
         x, y, sample_weight = self.prepare(x, y, sample_weight)
         return self.compiled("norms", lambda x, y, w: self.compute(x, y, w).norms())(
             x, y, sample_weight)
 
-    def losses(self, x, y=None, sample_weight=None) -> tf.Tensor:
+    def losses(self, x, y=None, sample_weight=None) -> Any:
         """``l_i``, the per-example losses (sample weights applied), ``(B,)``."""
         x, y, sample_weight = self.prepare(x, y, sample_weight)
 
@@ -180,15 +193,14 @@ class PerExample:
 
         return self.compiled("losses", body)(x, y, sample_weight)
 
-    def dot(self, x, y, vectors: list, sample_weight=None) -> tf.Tensor:
+    def dot(self, x, y, vectors: list, sample_weight=None) -> Any:
         """``<g_i, v>`` for ``vectors`` aligned with ``model.trainable_variables``, ``(B,)``."""
         x, y, sample_weight = self.prepare(x, y, sample_weight)
-        vectors = [tf.convert_to_tensor(v) for v in vectors]
+        vectors = [ops.convert_to_tensor(v) for v in vectors]
         return self.compiled("dot", lambda x, y, w, v: self.compute(x, y, w).dot(v))(
             x, y, sample_weight, vectors)
 
-    def clipped_sum(self, x, y, l2_norm_clip: float, sample_weight=None
-                    ) -> tuple[list[tf.Tensor], tf.Tensor]:
+    def clipped_sum(self, x, y, l2_norm_clip: float, sample_weight=None) -> tuple[list, Any]:
         """``(sum_i c_i g_i per variable, ||g_i||)`` with ``c_i = min(1, C / ||g_i||)`` for
         ``C = l2_norm_clip`` (a positive finite Python or NumPy number).
 
@@ -203,10 +215,9 @@ class PerExample:
         def body(x, y, w, clip):
             return finite_clipped_sum(self.compute(x, y, w), clip)
 
-        return self.compiled("clipped_sum", body)(
-            x, y, sample_weight, tf.constant(clip, tf.float64))
+        return self.compiled("clipped_sum", body)(x, y, sample_weight, _wide_scalar(clip))
 
-    def example_mixing(self, x, y=None, sample_weight=None, num_examples: int = 4) -> tf.Tensor:
+    def example_mixing(self, x, y=None, sample_weight=None, num_examples: int = 4) -> Any:
         """How much the model or the loss mixes the examples of a batch: a float64 scalar, 0 for
         a model that treats examples independently (up to rounding, see
         :func:`pergrad.engine.mixing_tolerance`).
@@ -226,10 +237,9 @@ class PerExample:
 
         def body(x, y, w):
             del w  # losses are compared unweighted
-            return tf.reduce_max(mixing_differences(self.model, self._loss_fn, x, y,
-                                                    num_examples))
+            return ops.max(mixing_differences(self.model, self._loss_fn, x, y, num_examples))
 
-        if not tf.executing_eagerly():
+        if _tracing():
             return body(x, y, sample_weight)
         return self.compiled(f"example_mixing/{num_examples}", body)(x, y, sample_weight)
 
@@ -263,20 +273,16 @@ class PerExample:
         mixing, summed, batch = self.compiled(f"check/{num_examples}", body)(
             x, y, sample_weight)
         dtype = self.compute_dtype
-        _raise_if_mixing(mixing.numpy(), mixing_tolerance(dtype) if rtol is None else rtol)
+        _raise_if_mixing(np.asarray(mixing), mixing_tolerance(dtype) if rtol is None else rtol)
         _raise_if_not_summing(self.model.trainable_variables, summed, batch,
                               gradient_tolerance(dtype) if rtol is None else rtol)
 
     def _summed_and_batch_gradients(self, x, y, w) -> tuple[list, list]:
         """``sum_i g_i`` by the engine and ``d/dtheta sum_i l_i`` by an ordinary tape."""
         result = self.compute(x, y, w)
-        summed = result.weighted_sum(tf.ones_like(result.losses))
-        with tf.GradientTape() as tape:
-            total = tf.reduce_sum(weighted_losses(
-                self._loss_fn(y, self.model(x, training=self.training)), w))
-        batch = tape.gradient(total, result.variables,
-                              unconnected_gradients=tf.UnconnectedGradients.ZERO)
-        return summed, [tf.convert_to_tensor(g) for g in batch]  # IndexedSlices too
+        summed = result.weighted_sum(ops.ones_like(result.losses))
+        batch = self._engine.batch_gradient(self.model, self._loss_fn, x, y, w, self.training)
+        return summed, batch
 
 
 def _raise_if_mixing(differences: np.ndarray, rtol: float) -> None:
@@ -303,8 +309,24 @@ def _raise_if_not_summing(variables: list, summed: list, batch: list, rtol: floa
             "strategy='vmap', which differentiates the whole model per example.")
 
 
-def finite_clipped_sum(result: PerExampleResult, l2_norm_clip) -> tuple[list[tf.Tensor],
-                                                                         tf.Tensor]:
+def _wide_scalar(value: float) -> Any:
+    """``value`` as a float64 scalar tensor (float32 on JAX without ``jax_enable_x64``)."""
+    if backend.is_jax():
+        import jax
+        return ops.convert_to_tensor(value, "float64" if jax.config.jax_enable_x64 else "float32")
+    return ops.convert_to_tensor(value, "float64")
+
+
+def _tracing() -> bool:
+    """Whether this runs inside a TensorFlow graph being traced (JAX methods always compile:
+    a compiled function may be called inside another's trace)."""
+    if backend.is_tensorflow():
+        import tensorflow as tf
+        return not tf.executing_eagerly()
+    return False
+
+
+def finite_clipped_sum(result: PerExampleResult, l2_norm_clip) -> tuple[list, Any]:
     """``(sum_{i kept} min(1, C / ||g_i||) g_i, ||g_i||)``, traceable.
 
     Example ``i`` is kept when its norm and its loss are finite; a dropped example gets
@@ -313,15 +335,15 @@ def finite_clipped_sum(result: PerExampleResult, l2_norm_clip) -> tuple[list[tf.
     computed, non-finite ones included.
     """
     norms = result.norms()
-    keep = tf.logical_and(tf.math.is_finite(norms), tf.math.is_finite(result.losses))
-    factors = tf.where(keep, clip_factors(norms, l2_norm_clip), tf.zeros_like(norms))
-    sums = tf.cond(tf.reduce_all(keep),
-                   lambda: [tf.identity(s) for s in result.weighted_sum(factors)],
-                   lambda: result.masked(keep).weighted_sum(factors))
+    keep = ops.logical_and(ops.isfinite(norms), ops.isfinite(result.losses))
+    factors = ops.where(keep, clip_factors(norms, l2_norm_clip), ops.zeros_like(norms))
+    sums = ops.cond(ops.all(keep),
+                    lambda: [ops.copy(s) for s in result.weighted_sum(factors)],
+                    lambda: result.masked(keep).weighted_sum(factors))
     return list(sums), norms
 
 
-def clip_factors(norms: tf.Tensor, l2_norm_clip) -> tf.Tensor:
+def clip_factors(norms, l2_norm_clip):
     """``min(1, C / ||g_i||)``, with 1 for a zero gradient."""
-    clip = tf.cast(l2_norm_clip, norms.dtype)
-    return tf.minimum(tf.ones_like(norms), clip / tf.maximum(norms, tf.cast(1e-30, norms.dtype)))
+    clip = ops.cast(l2_norm_clip, norms.dtype)
+    return ops.minimum(ops.ones_like(norms), clip / ops.maximum(norms, ops.cast(1e-30, norms.dtype)))

@@ -5,8 +5,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-import tensorflow as tf
+from keras import ops
 
+from pergrad.backend.ops import add_n, batch_size, dtype_of
 from pergrad.rules.forms import Form, Scaled
 
 
@@ -14,7 +15,7 @@ from pergrad.rules.forms import Form, Scaled
 class PerExampleResult:
     """Per-example gradients ``g_i`` of one batch, one form per trainable variable.
 
-    Every method is traceable (use it inside your own ``tf.function``) and touches only what it
+    Every method is traceable (use it inside your own ``tf.function`` or ``jax.jit``) and touches only what it
     needs: ``squared_norms``, ``dots`` and ``weighted_sum`` never build ``(B, *var.shape)`` tensors
     for variables whose rule has a cheaper form.
 
@@ -27,39 +28,38 @@ class PerExampleResult:
 
     variables: list
     forms: list[Form | None]
-    losses: tf.Tensor
+    losses: Any
     predictions: Any
 
     @property
-    def batch_size(self) -> tf.Tensor:
-        return tf.shape(self.losses)[0]
+    def batch_size(self) -> Any:
+        return batch_size(self.losses)
 
     @property
-    def norm_dtype(self) -> tf.DType:
+    def norm_dtype(self) -> str:
         """float64 if any variable is float64, else float32 (also under mixed precision)."""
-        dtypes = {tf.as_dtype(v.dtype) for v in self.variables}
-        return tf.float64 if tf.float64 in dtypes else tf.float32
+        return "float64" if "float64" in {dtype_of(v) for v in self.variables} else "float32"
 
-    def gradients(self) -> list[tf.Tensor]:
+    def gradients(self) -> list:
         """``[g_i for each variable]``, each ``(B, *var.shape)``."""
         return [
-            tf.zeros([self.batch_size, *v.shape], v.dtype) if f is None else f.materialize()
+            ops.zeros([self.batch_size, *v.shape], v.dtype) if f is None else f.materialize()
             for v, f in zip(self.variables, self.forms, strict=True)
         ]
 
-    def squared_norms(self) -> list[tf.Tensor]:
+    def squared_norms(self) -> list:
         """Per variable, ``||g_i[var]||^2`` of shape ``(B,)``."""
         dtype = self.norm_dtype
         return [
-            tf.zeros([self.batch_size], dtype) if f is None else tf.cast(f.squared_norms(), dtype)
+            ops.zeros([self.batch_size], dtype) if f is None else ops.cast(f.squared_norms(), dtype)
             for f in self.forms
         ]
 
-    def norms(self) -> tf.Tensor:
+    def norms(self) -> Any:
         """``||g_i||``: the L2 norm of each example's whole gradient, ``(B,)``."""
-        return tf.sqrt(tf.add_n(self.squared_norms()))
+        return ops.sqrt(add_n(self.squared_norms()))
 
-    def dots(self, vectors: list) -> list[tf.Tensor]:
+    def dots(self, vectors: list) -> list:
         """Per variable, ``<g_i[var], v[var]>`` of shape ``(B,)``."""
         dtype = self.norm_dtype
         if len(vectors) != len(self.variables):
@@ -71,45 +71,45 @@ class PerExampleResult:
             if tuple(vec.shape) != tuple(v.shape):
                 raise ValueError(f"Vector for variable {v.path!r} has shape {tuple(vec.shape)}, "
                                  f"expected {tuple(v.shape)}.")
-            out.append(tf.zeros([self.batch_size], dtype) if f is None
-                       else tf.cast(f.dots(vec), dtype))
+            out.append(ops.zeros([self.batch_size], dtype) if f is None
+                       else ops.cast(f.dots(vec), dtype))
         return out
 
-    def dot(self, vectors: list) -> tf.Tensor:
+    def dot(self, vectors: list) -> Any:
         """``<g_i, v>`` summed over all variables, ``(B,)``."""
-        return tf.add_n(self.dots(vectors))
+        return add_n(self.dots(vectors))
 
-    def grams(self) -> list[tf.Tensor]:
+    def grams(self) -> list:
         """Per variable, the ``(B, B)`` matrix ``<g_i[var], g_j[var]>``."""
         dtype = self.norm_dtype
-        return [tf.zeros([self.batch_size, self.batch_size], dtype) if f is None
-                else tf.cast(f.gram(), dtype) for f in self.forms]
+        return [ops.zeros([self.batch_size, self.batch_size], dtype) if f is None
+                else ops.cast(f.gram(), dtype) for f in self.forms]
 
-    def gram(self) -> tf.Tensor:
+    def gram(self) -> Any:
         """``K[i, j] = <g_i, g_j>`` over all variables, ``(B, B)``."""
-        return tf.add_n(self.grams())
+        return add_n(self.grams())
 
-    def weighted_sum(self, coefficients: tf.Tensor | list[tf.Tensor]) -> list[tf.Tensor]:
+    def weighted_sum(self, coefficients: Any) -> list:
         """``sum_i c_i g_i`` per variable. ``coefficients`` is ``(B,)``, or one ``(B,)`` per
         variable (per-layer clipping)."""
         if not isinstance(coefficients, (list, tuple)):
             coefficients = [coefficients] * len(self.variables)
         return [
-            tf.zeros(v.shape, v.dtype) if f is None else tf.cast(f.weighted_sum(c), v.dtype)
+            ops.zeros(v.shape, v.dtype) if f is None else ops.cast(f.weighted_sum(c), v.dtype)
             for v, f, c in zip(self.variables, self.forms, coefficients, strict=True)
         ]
 
-    def masked(self, keep: tf.Tensor) -> PerExampleResult:
+    def masked(self, keep: Any) -> PerExampleResult:
         """This result with examples where ``keep`` (``(B,)`` bool) is false removed: their
         gradients and losses become exactly zero, even where they were NaN or inf."""
         forms = [None if f is None else f.masked(keep) for f in self.forms]
-        losses = tf.where(keep, self.losses, tf.zeros_like(self.losses))
+        losses = ops.where(keep, self.losses, ops.zeros_like(self.losses))
         return PerExampleResult(self.variables, forms, losses, self.predictions)
 
     def scaled(self, factor) -> PerExampleResult:
         """A view with every gradient and loss multiplied by ``factor`` (norms by ``|factor|``),
         e.g. ``1 / S`` after a backward pass of the loss scaled by ``S``."""
-        factor = tf.convert_to_tensor(factor)
+        factor = ops.convert_to_tensor(factor)
         forms = [None if f is None else Scaled(f, factor) for f in self.forms]
-        losses = self.losses * tf.cast(factor, self.losses.dtype)
+        losses = self.losses * ops.cast(factor, dtype_of(self.losses))
         return PerExampleResult(self.variables, forms, losses, self.predictions)

@@ -1,151 +1,33 @@
-"""How a batch's per-example gradients are computed: ``auto`` (rules) and the whole-model
-baselines ``loop``, ``jacobian`` and ``vmap``, all returning a :class:`PerExampleResult`."""
+"""How a batch's per-example gradients are computed: ``auto`` (layer rules, one backward pass)
+and the whole-model baselines ``loop``, ``jacobian`` and ``vmap``, each defined once per backend
+(:mod:`pergrad.engine.on_tensorflow`, :mod:`pergrad.engine.on_jax`), all returning a
+:class:`PerExampleResult`."""
 
 from __future__ import annotations
 
-from typing import Any
-
-import tensorflow as tf
-
-from pergrad._compat import call_takes_training
-from pergrad.engine.generic import autocast_scope, draws_random, generic_forms, recorded_vjps
-from pergrad.engine.intercept import record_calls
+from pergrad import backend
+from pergrad.engine.losses import weighted_losses
 from pergrad.engine.plan import Plan
 from pergrad.engine.result import PerExampleResult
-from pergrad.rules import combine
-from pergrad.rules.forms import Materialized
 
 STRATEGIES = ("auto", "vmap", "jacobian", "loop")
 
 
-def weighted_losses(losses: tf.Tensor, sample_weight) -> tf.Tensor:
-    """``w_i l_i``; ``sample_weight`` is ``None``, ``(B,)`` or ``(B, 1)``."""
-    if sample_weight is None:
-        return losses
-    w = tf.cast(sample_weight, losses.dtype)
-    if w.shape.rank is not None and w.shape.rank > 1:
-        if any(n != 1 for n in w.shape[1:]):
-            raise ValueError(f"sample_weight must have one weight per example, shape (batch,) "
-                             f"or (batch, 1); got shape {tuple(w.shape)}. Per-timestep weights "
-                             "are not supported: fold them into the loss function instead.")
-        w = tf.reshape(w, [-1])
-    return losses * w
-
-
-def _static_batch(x) -> int | None:
-    return tf.nest.flatten(x)[0].shape[0]
-
-
-def run_auto(model, plan: Plan, loss_fn, x, y, sample_weight, training: bool,
-             warned: set) -> PerExampleResult:
-    """Record, one backward pass of the summed loss to every tap, then rules."""
-    replayed = {id(layer) for layer in plan.generic if training and draws_random(layer)}
-    with tf.GradientTape(persistent=bool(plan.residual or replayed)) as tape:
-        with record_calls(plan) as calls:
-            predictions = model(x, training=training)
-        losses = weighted_losses(loss_fn(y, predictions), sample_weight)
-        total = tf.reduce_sum(losses)
-    records = [c for layer in plan.tapped_layers for c in calls.get(id(layer), [])]
-    taps = [[t for t in tf.nest.flatten(r.tapped) if isinstance(t, tf.Tensor)] for r in records]
-    flat = [t for group in taps for t in group]
-    grads = tape.gradient(total, flat, unconnected_gradients=tf.UnconnectedGradients.ZERO)
-
-    by_variable: dict[int, list] = {}
-    rules = dict((id(layer), rule) for layer, rule in plan.ruled)
-    batch = _static_batch(x)
-    position = 0
-    for record, group in zip(records, taps, strict=True):
-        record_grads = grads[position:position + len(group)]
-        position += len(group)
-        rule = rules.get(id(record.layer))
-        if rule is not None:
-            forms = rule.fn(record.layer, record, record_grads[0])
-        elif id(record.layer) in replayed:
-            forms = recorded_vjps(tape, record.layer, group, record_grads)
-        else:
-            forms = generic_forms(record.layer, record, record_grads, batch, warned)
-        for form in forms:
-            by_variable.setdefault(id(form.variable), []).append(form)
-    if plan.residual:
-        jacobians = tape.jacobian(losses, plan.residual,
-                                  unconnected_gradients=tf.UnconnectedGradients.ZERO)
-        for variable, jac in zip(plan.residual, jacobians, strict=True):
-            by_variable.setdefault(id(variable), []).append(Materialized(variable, jac))
-    del tape
-    variables = list(model.trainable_variables)
-    forms = [combine(by_variable[id(v)]) if id(v) in by_variable else None for v in variables]
-    return PerExampleResult(variables, forms, losses, predictions)
-
-
-def _materialized(model, grads, losses, predictions) -> PerExampleResult:
-    variables = list(model.trainable_variables)
-    forms = [Materialized(v, tf.cast(g, v.dtype)) for v, g in zip(variables, grads, strict=True)]
-    return PerExampleResult(variables, forms, losses, predictions)
-
-
-def run_jacobian(model, loss_fn, x, y, sample_weight, training: bool) -> PerExampleResult:
-    """``tape.jacobian`` of the per-example losses: ``O(B)`` backward passes through pfor."""
-    variables = list(model.trainable_variables)
-    with tf.GradientTape() as tape:
-        predictions = model(x, training=training)
-        losses = weighted_losses(loss_fn(y, predictions), sample_weight)
-    grads = tape.jacobian(losses, variables, unconnected_gradients=tf.UnconnectedGradients.ZERO)
-    return _materialized(model, grads, losses, predictions)
-
-
-def _one_example_fn(model, loss_fn, training: bool, values, frozen):
-    def fn(elems):
-        elems = tf.nest.map_structure(lambda t: t[None], elems)
-        xi, yi, wi = elems if len(elems) == 3 else (elems[0], None, elems[1])
-        with tf.GradientTape() as tape, autocast_scope(model):
-            tape.watch(values)
-            kwargs = {"training": training} if call_takes_training(model) else {}
-            predictions, _ = model.stateless_call(values, frozen, xi, **kwargs)
-            loss = weighted_losses(loss_fn(yi, predictions), wi)[0]
-        grads = tape.gradient(loss, values, unconnected_gradients=tf.UnconnectedGradients.ZERO)
-        return loss, grads
-    return fn
-
-
-def _example_elems(x, y, sample_weight) -> tuple:
-    """``(x, y, w)`` to map over (``(x, w)`` when there is no ``y``), with unit weights if none."""
-    if sample_weight is None:
-        sample_weight = tf.ones([tf.shape(tf.nest.flatten(x)[0])[0]], tf.float32)
-    return (x, sample_weight) if y is None else (x, y, sample_weight)
-
-
-def run_vmap(model, loss_fn, x, y, sample_weight, training: bool) -> PerExampleResult:
-    """``tf.vectorized_map`` of one example's gradient through ``model.stateless_call``.
-
-    The vectorized region is always compiled with XLA: without it, pfor over a Keras 3
-    attention block segfaults on TF 2.21 (CPU) from batch 8 upward, taking the process down.
-    """
-    values = [v.value for v in model.trainable_variables]
-    frozen = [v.value for v in model.non_trainable_variables]
-    fn = _one_example_fn(model, loss_fn, training, values, frozen)
-    vectorized = tf.function(lambda elems: tf.vectorized_map(fn, elems), jit_compile=True,
-                             autograph=False)
-    losses, grads = vectorized(_example_elems(x, y, sample_weight))
-    predictions = model(x, training=training)
-    return _materialized(model, grads, losses, predictions)
-
-
-def run_loop(model, loss_fn, x, y, sample_weight, training: bool) -> PerExampleResult:
-    """One tape per example in a ``tf.while_loop``: the reference every other strategy matches."""
-    values = [v.value for v in model.trainable_variables]
-    frozen = [v.value for v in model.non_trainable_variables]
-    fn = _one_example_fn(model, loss_fn, training, values, frozen)
-    loss_dtype = tf.float64 if tf.float64 in {tf.as_dtype(v.dtype) for v in values} else tf.float32
-    signature = (tf.TensorSpec([], loss_dtype), [tf.TensorSpec(v.shape, v.dtype) for v in values])
-    losses, grads = tf.map_fn(fn, _example_elems(x, y, sample_weight), fn_output_signature=signature,
-                              parallel_iterations=1)
-    predictions = model(x, training=training)
-    return _materialized(model, grads, losses, predictions)
+def engine_module():
+    """The running backend's engine module."""
+    if backend.require_supported("pergrad's engine") == "jax":
+        from pergrad.engine import on_jax
+        return on_jax
+    from pergrad.engine import on_tensorflow
+    return on_tensorflow
 
 
 def run(strategy: str, model, plan: Plan, loss_fn, x, y, sample_weight, training: bool,
         warned: set) -> PerExampleResult:
+    engine = engine_module()
     if strategy == "auto":
-        return run_auto(model, plan, loss_fn, x, y, sample_weight, training, warned)
-    runner: Any = {"jacobian": run_jacobian, "vmap": run_vmap, "loop": run_loop}[strategy]
-    return runner(model, loss_fn, x, y, sample_weight, training)
+        return engine.run_auto(model, plan, loss_fn, x, y, sample_weight, training, warned)
+    return engine.RUNNERS[strategy](model, loss_fn, x, y, sample_weight, training)
+
+
+__all__ = ["STRATEGIES", "engine_module", "run", "weighted_losses"]

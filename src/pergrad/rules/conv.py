@@ -16,8 +16,10 @@ from __future__ import annotations
 import itertools
 
 import keras
-import tensorflow as tf
+from keras import ops
 
+from pergrad.backend import is_tensorflow
+from pergrad.backend.ops import batch_size, rank, vjp
 from pergrad.rules import LayerCall, plain_weights, register
 from pergrad.rules.forms import Factored, Materialized, positions
 
@@ -32,123 +34,119 @@ def _padding_and_size(n, k: int, s: int, d: int, padding: str) -> tuple:
     if padding == "same":
         out = (n + s - 1) // s
         total = (out - 1) * s + span - n
-        total = max(total, 0) if isinstance(total, int) else tf.maximum(total, 0)
+        total = max(total, 0) if isinstance(total, int) else ops.maximum(total, 0)
         return total // 2, total - total // 2, out
     if padding == "causal":
         return span - 1, 0, (n - 1) // s + 1
     return 0, 0, (n - span) // s + 1
 
 
-def pad_input(x: tf.Tensor, kernel_size, strides, dilation, padding: str) -> tuple:
+def pad_input(x, kernel_size, strides, dilation, padding: str) -> tuple:
     """``x`` (channels last) padded as the layer pads it, and the output size per axis; after
     this every padding mode is ``VALID``."""
-    dynamic = tf.shape(x)
-    spatial = [int(n) if n is not None else dynamic[1 + i] for i, n in enumerate(x.shape[1:-1])]
+    spatial = list(ops.shape(x)[1:-1])
     geometry = [_padding_and_size(n, k, s, d, padding)
                 for n, k, s, d in zip(spatial, kernel_size, strides, dilation, strict=True)]
     if any(not isinstance(v, int) or v for before, after, _ in geometry for v in (before, after)):
-        x = tf.pad(x, [[0, 0], *[[b, a] for b, a, _ in geometry], [0, 0]])
+        x = ops.pad(x, [[0, 0], *[[b, a] for b, a, _ in geometry], [0, 0]])
     return x, [out for _, _, out in geometry]
 
 
-def extract_patches(x: tf.Tensor, kernel_size, strides, dilation, padding: str) -> tf.Tensor:
+def extract_patches(x, kernel_size, strides, dilation, padding: str):
     """Patches of channels-last ``x``: ``(B, out_1, ..., out_n, K, C)``, ``K`` in kernel order.
 
-    One ``tf.image.extract_patches`` (or one-hot convolution) for 1D and 2D inputs; strided
-    slices (one per kernel offset) for 3D.
+    One one-hot convolution (or TensorFlow's ``extract_patches``) for 1D and 2D inputs;
+    strided slices (one per kernel offset) for 3D.
     """
-    spatial = x.shape[1:-1]
+    n_spatial = rank(x) - 2
     x, sizes = pad_input(x, kernel_size, strides, dilation, padding)
-    if len(spatial) <= 2:
+    if n_spatial <= 2:
         return _image_patches(x, kernel_size, strides, dilation)
     slices = []
     for offset in itertools.product(*[range(k) for k in kernel_size]):
-        begin = [0, *[o * d for o, d in zip(offset, dilation, strict=True)], 0]
-        end = [0, *[o * d + (out - 1) * s + 1 for o, d, s, out
-                    in zip(offset, dilation, strides, sizes, strict=True)], 0]
-        slices.append(tf.strided_slice(x, begin, end, [1, *strides, 1],
-                                       begin_mask=1 | (1 << (len(spatial) + 1)),
-                                       end_mask=1 | (1 << (len(spatial) + 1))))
-    return tf.stack(slices, axis=-2)
+        index = tuple(slice(o * d, o * d + (out - 1) * s + 1, s) for o, d, s, out
+                      in zip(offset, dilation, strides, sizes, strict=True))
+        slices.append(x[(slice(None), *index, slice(None))])
+    return ops.stack(slices, axis=-2)
 
 
 _IDENTITY_CONV_MAX_WIDTH = 128
 
 
-def _image_patches(x: tf.Tensor, kernel_size, strides, dilation) -> tf.Tensor:
-    """``tf.image.extract_patches`` on an already padded 1D or 2D input (1D as height 1)."""
-    one_d = x.shape.rank == 3
+def _image_patches(x, kernel_size, strides, dilation):
+    """Patches of an already padded 1D or 2D input (1D as height 1)."""
+    one_d = rank(x) == 3
     if one_d:
         x = x[:, None]
         kernel_size, strides, dilation = (1, *kernel_size), (1, *strides), (1, *dilation)
     channels = x.shape[-1]
     width = kernel_size[0] * kernel_size[1] * channels
-    if width <= _IDENTITY_CONV_MAX_WIDTH:
-        # Few input channels: a convolution with a one-hot kernel gathers the patches faster
-        # than extract_patches (2.6 vs 7.1 ms for the 8x8x1 kernel of the benchmark CNN).
-        one_hot = tf.reshape(tf.eye(width, dtype=x.dtype), [*kernel_size, channels, width])
-        patches = tf.nn.convolution(x, one_hot, strides=list(strides), padding="VALID",
-                                    dilations=list(dilation))
-    else:
+    if width > _IDENTITY_CONV_MAX_WIDTH and is_tensorflow():
+        # Many input channels on TensorFlow: its extract_patches kernel beats the one-hot
+        # convolution there (the one-hot one wins below this width: 2.6 vs 7.1 ms for the
+        # 8x8x1 kernel of the benchmark CNN). XLA turns the one-hot convolution into a gather.
+        import tensorflow as tf
         patches = tf.image.extract_patches(x, [1, *kernel_size, 1], [1, *strides, 1],
                                            [1, *dilation, 1], "VALID")
-    patches = tf.reshape(patches, [tf.shape(x)[0], tf.shape(patches)[1], tf.shape(patches)[2],
-                                   kernel_size[0] * kernel_size[1], channels])
+    else:
+        one_hot = ops.reshape(ops.eye(width, dtype=x.dtype), [*kernel_size, channels, width])
+        patches = ops.conv(x, one_hot, strides=list(strides), padding="valid",
+                           dilation_rate=list(dilation))
+    shape = ops.shape(patches)
+    patches = ops.reshape(patches, [batch_size(x), shape[1], shape[2],
+                                    kernel_size[0] * kernel_size[1], channels])
     return patches[:, 0] if one_d else patches
 
 
-def _channels_last(t: tf.Tensor, data_format: str) -> tf.Tensor:
+def _channels_last(t, data_format: str):
     if data_format == "channels_last":
         return t
-    rank = t.shape.rank
-    return tf.transpose(t, [0, *range(2, rank), 1])
+    return ops.transpose(t, [0, *range(2, rank(t)), 1])
 
 
-def channels_last_input_and_grad(layer, call: LayerCall, grad: tf.Tensor, dtype) -> tuple:
+def channels_last_input_and_grad(layer, call: LayerCall, grad, dtype) -> tuple:
     """The recorded input and the output gradient of a convolution-like layer, both cast to
     ``dtype`` (its kernel's) and channels-last, whatever the layer's ``data_format``."""
-    return (_channels_last(tf.cast(call.args[0], dtype), layer.data_format),
-            _channels_last(tf.cast(grad, dtype), layer.data_format))
+    return (_channels_last(ops.cast(call.args[0], dtype), layer.data_format),
+            _channels_last(ops.cast(grad, dtype), layer.data_format))
 
 
-def conv_rule(layer, call: LayerCall, grad: tf.Tensor) -> list:
+def conv_rule(layer, call: LayerCall, grad) -> list:
     dtype = layer.kernel.dtype
     x, d = channels_last_input_and_grad(layer, call, grad, dtype)
     groups = layer.groups
     c_in, c_out = x.shape[-1], layer.filters
     patches = extract_patches(x, layer.kernel_size, layer.strides, layer.dilation_rate,
                               layer.padding)
-    batch = tf.shape(x)[0]
+    batch = batch_size(x)
     k = patches.shape[-2]
     t = positions(d.shape[1:-1])
     if groups == 1:
-        a = tf.reshape(patches, [batch, t, 1, k * c_in])
+        a = ops.reshape(patches, [batch, t, 1, k * c_in])
     else:  # (B, T, K, G, C/G) -> (B, T, G, K * C/G)
-        a = tf.reshape(patches, [batch, t, k, groups, c_in // groups])
-        a = tf.reshape(tf.transpose(a, [0, 1, 3, 2, 4]), [batch, t, groups, k * (c_in // groups)])
-    dd = tf.reshape(d, [batch, t, groups, c_out // groups])
+        a = ops.reshape(patches, [batch, t, k, groups, c_in // groups])
+        a = ops.reshape(ops.transpose(a, [0, 1, 3, 2, 4]),
+                        [batch, t, groups, k * (c_in // groups)])
+    dd = ops.reshape(d, [batch, t, groups, c_out // groups])
     natural = (*layer.kernel_size, c_in // groups, groups, c_out // groups)
     summed = None
     if groups == 1:
         def summed(coefficients):
-            return _filter_gradient(layer, x, d * tf.cast(coefficients, dtype)[
-                (slice(None),) + (None,) * (d.shape.rank - 1)])
+            return _filter_gradient(layer, x, d * ops.cast(coefficients, dtype)[
+                (slice(None),) + (None,) * (rank(d) - 1)])
     forms = [Factored(layer.kernel, a, dd, natural, summed=summed)]
     if layer.use_bias:
-        forms.append(Materialized(layer.bias, tf.reduce_sum(tf.reshape(d, [batch, -1, c_out]), 1)))
+        forms.append(Materialized(layer.bias, ops.sum(ops.reshape(d, [batch, -1, c_out]), 1)))
     return forms
 
 
-def _filter_gradient(layer, x: tf.Tensor, d: tf.Tensor) -> tf.Tensor:
+def _filter_gradient(layer, x, d):
     """``sum_i P_i^T D_i``: the ordinary (batch) kernel gradient of ``<conv(x, W), d>``, which
-    TensorFlow's own filter-gradient kernel computes far faster than a GEMM over patches."""
+    the backend's own filter-gradient kernel computes far faster than a GEMM over patches."""
     padded, _ = pad_input(x, layer.kernel_size, layer.strides, layer.dilation_rate, layer.padding)
-    kernel = tf.zeros(layer.kernel.shape, x.dtype)
-    with tf.GradientTape() as tape:
-        tape.watch(kernel)
-        out = tf.nn.convolution(padded, kernel, strides=list(layer.strides), padding="VALID",
-                                dilations=list(layer.dilation_rate))
-    return tape.gradient(out, kernel, output_gradients=d)
+    kernel = ops.zeros(layer.kernel.shape, x.dtype)
+    return vjp(lambda w: ops.conv(padded, w, strides=list(layer.strides), padding="valid",
+                                  dilation_rate=list(layer.dilation_rate)), kernel, d)
 
 
 for _cls in (keras.layers.Conv1D, keras.layers.Conv2D, keras.layers.Conv3D):

@@ -19,49 +19,47 @@ input): the roles of input and output gradient swap with respect to :mod:`pergra
 from __future__ import annotations
 
 import keras
-import tensorflow as tf
+from keras import ops
 
+from pergrad.backend.ops import batch_size, rank, vjp
 from pergrad.rules import LayerCall, plain_weights, register
 from pergrad.rules.conv import channels_last_input_and_grad, extract_patches
 from pergrad.rules.forms import Factored, Materialized, positions
 
 
-def conv_transpose_rule(layer, call: LayerCall, grad: tf.Tensor) -> list:
+def conv_transpose_rule(layer, call: LayerCall, grad) -> list:
     dtype = layer.kernel.dtype
     x, d = channels_last_input_and_grad(layer, call, grad, dtype)
     c_in, filters = x.shape[-1], layer.filters
     # (B, *x_spatial, K, filters): the output-gradient patch each input position sees.
     patches = extract_patches(d, layer.kernel_size, layer.strides, layer.dilation_rate,
                               layer.padding)
-    batch = tf.shape(x)[0]
+    batch = batch_size(x)
     k = patches.shape[-2]
     t = positions(x.shape[1:-1])
-    a = tf.reshape(patches, [batch, t, 1, k * filters])
-    xx = tf.reshape(x, [batch, t, 1, c_in])
+    a = ops.reshape(patches, [batch, t, 1, k * filters])
+    xx = ops.reshape(x, [batch, t, 1, c_in])
     natural = (*layer.kernel_size, filters, 1, c_in)
 
-    def summed(coefficients: tf.Tensor) -> tf.Tensor:
-        weights = tf.cast(coefficients, dtype)[(slice(None),) + (None,) * (d.shape.rank - 1)]
+    def summed(coefficients):
+        weights = ops.cast(coefficients, dtype)[(slice(None),) + (None,) * (rank(d) - 1)]
         return _filter_gradient(layer, x, d * weights)
 
     forms = [Factored(layer.kernel, a, xx, natural, summed=summed)]
     if layer.use_bias:
         forms.append(Materialized(layer.bias,
-                                  tf.reduce_sum(tf.reshape(d, [batch, -1, filters]), 1)))
+                                  ops.sum(ops.reshape(d, [batch, -1, filters]), 1)))
     return forms
 
 
-def _filter_gradient(layer, x: tf.Tensor, d: tf.Tensor) -> tf.Tensor:
+def _filter_gradient(layer, x, d):
     """``sum_i P_i^T x_i``: the ordinary (batch) kernel gradient of ``<conv_transpose(x, W), d>``,
-    by TensorFlow's native filter-gradient kernel (channels last, whatever the layer's format)."""
-    kernel = tf.zeros(layer.kernel.shape, x.dtype)
-    with tf.GradientTape() as tape:
-        tape.watch(kernel)
-        out = keras.ops.conv_transpose(x, kernel, strides=layer.strides, padding=layer.padding,
-                                       output_padding=layer.output_padding,
-                                       data_format="channels_last",
-                                       dilation_rate=layer.dilation_rate)
-    return tape.gradient(out, kernel, output_gradients=d)
+    by the backend's native filter-gradient kernel (channels last, whatever the layer's format)."""
+    return vjp(lambda w: ops.conv_transpose(x, w, strides=layer.strides, padding=layer.padding,
+                                            output_padding=layer.output_padding,
+                                            data_format="channels_last",
+                                            dilation_rate=layer.dilation_rate),
+               ops.zeros(layer.kernel.shape, x.dtype), d)
 
 
 for _cls in (keras.layers.Conv1DTranspose, keras.layers.Conv2DTranspose,

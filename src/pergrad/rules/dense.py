@@ -10,21 +10,22 @@ so the kernel is ``Factored`` with ``A = x`` and ``D = dL/dz`` (one group).
 from __future__ import annotations
 
 import keras
-import tensorflow as tf
+from keras import ops
 
+from pergrad.backend.ops import batch_size
 from pergrad.rules import LayerCall, plain_weights, register
 from pergrad.rules.forms import Factored, Materialized, positions, unbroadcast
 
 
 @register(keras.layers.Dense, splits_activation=True, applies=plain_weights)
-def dense_rule(layer, call: LayerCall, grad: tf.Tensor) -> list:
-    x = tf.cast(call.args[0], layer.kernel.dtype)
-    d = tf.cast(grad, layer.kernel.dtype)
+def dense_rule(layer, call: LayerCall, grad) -> list:
+    x = ops.cast(call.args[0], layer.kernel.dtype)
+    d = ops.cast(grad, layer.kernel.dtype)
     d_in, d_out = layer.kernel.shape
-    batch = tf.shape(x)[0]
+    batch = batch_size(x)
     t = positions(x.shape[1:-1])
-    a = tf.reshape(x, [batch, t, 1, d_in])
-    forms = [Factored(layer.kernel, a, tf.reshape(d, [batch, t, 1, d_out]), (d_in, d_out))]
+    a = ops.reshape(x, [batch, t, 1, d_in])
+    forms = [Factored(layer.kernel, a, ops.reshape(d, [batch, t, 1, d_out]), (d_in, d_out))]
     if layer.bias is not None:
         forms.append(Materialized(layer.bias, unbroadcast(d, tuple(layer.bias.shape))))
     return forms

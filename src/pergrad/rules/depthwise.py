@@ -20,8 +20,9 @@ a pointwise (1x1) kernel ``W_p`` of shape ``(1.., C*M, F)``:
 from __future__ import annotations
 
 import keras
-import tensorflow as tf
+from keras import ops
 
+from pergrad.backend.ops import batch_size, rank, vjp
 from pergrad.rules import LayerCall, plain_weights, register
 from pergrad.rules.conv import (
     channels_last_input_and_grad,
@@ -31,77 +32,68 @@ from pergrad.rules.conv import (
 from pergrad.rules.forms import Factored, Materialized, positions
 
 
-def _patches(layer, x: tf.Tensor) -> tf.Tensor:
+def _patches(layer, x):
     """``(B, T, C, K)``: the patches of channels-last ``x``, one group per channel."""
     patches = extract_patches(x, layer.kernel_size, layer.strides, layer.dilation_rate,
                               layer.padding)  # (B, *out, K, C)
     t = positions(patches.shape[1:-2])
     k, c = patches.shape[-2], patches.shape[-1]
-    return tf.transpose(tf.reshape(patches, [tf.shape(x)[0], t, k, c]), [0, 1, 3, 2])
+    return ops.transpose(ops.reshape(patches, [batch_size(x), t, k, c]), [0, 1, 3, 2])
 
 
-def _depthwise_form(layer, kernel, x: tf.Tensor, a: tf.Tensor, d: tf.Tensor) -> Factored:
+def _depthwise_form(layer, kernel, x, a, d) -> Factored:
     """The ``Factored`` form of depthwise ``kernel`` ``(*k, C, M)`` from patches ``a``
     ``(B, T, C, K)`` and the channels-last gradient ``d`` at the depthwise output ``(B, *out, C*M)``."""
     c, m = kernel.shape[-2], kernel.shape[-1]
-    dd = tf.reshape(d, [tf.shape(d)[0], a.shape[1] if a.shape[1] is not None else -1, c, m])
+    dd = ops.reshape(d, [batch_size(d), a.shape[1] if a.shape[1] is not None else -1, c, m])
 
-    def summed(coefficients: tf.Tensor) -> tf.Tensor:
-        weights = tf.cast(coefficients, d.dtype)[(slice(None),) + (None,) * (d.shape.rank - 1)]
+    def summed(coefficients):
+        weights = ops.cast(coefficients, d.dtype)[(slice(None),) + (None,) * (rank(d) - 1)]
         return _filter_gradient(layer, kernel, x, d * weights)
 
     return Factored(kernel, a, dd, (*layer.kernel_size, c, m), summed=summed)
 
 
-def _filter_gradient(layer, kernel, x: tf.Tensor, d: tf.Tensor) -> tf.Tensor:
-    """``sum_i P_i^T D_i`` by TensorFlow's native depthwise filter-gradient kernel."""
+def _filter_gradient(layer, kernel, x, d):
+    """``sum_i P_i^T D_i`` by the backend's native depthwise filter-gradient kernel."""
     padded, _ = pad_input(x, layer.kernel_size, layer.strides, layer.dilation_rate, layer.padding)
-    zeros = tf.zeros(kernel.shape, x.dtype)
-    with tf.GradientTape() as tape:
-        tape.watch(zeros)
-        out = keras.ops.depthwise_conv(padded, zeros, strides=layer.strides, padding="valid",
-                                       dilation_rate=layer.dilation_rate,
-                                       data_format="channels_last")
-    return tape.gradient(out, zeros, output_gradients=d)
+    return vjp(lambda w: ops.depthwise_conv(padded, w, strides=layer.strides, padding="valid",
+                                            dilation_rate=layer.dilation_rate,
+                                            data_format="channels_last"),
+               ops.zeros(kernel.shape, x.dtype), d)
 
 
-def _bias(layer, d: tf.Tensor) -> list:
+def _bias(layer, d) -> list:
     if not layer.use_bias:
         return []
-    return [Materialized(layer.bias, tf.reduce_sum(
-        tf.reshape(d, [tf.shape(d)[0], -1, d.shape[-1]]), 1))]
+    return [Materialized(layer.bias, ops.sum(
+        ops.reshape(d, [batch_size(d), -1, d.shape[-1]]), 1))]
 
 
-def depthwise_rule(layer, call: LayerCall, grad: tf.Tensor) -> list:
+def depthwise_rule(layer, call: LayerCall, grad) -> list:
     dtype = layer.kernel.dtype
     x, d = channels_last_input_and_grad(layer, call, grad, dtype)
     return [_depthwise_form(layer, layer.kernel, x, _patches(layer, x), d), *_bias(layer, d)]
 
 
-def separable_rule(layer, call: LayerCall, grad: tf.Tensor) -> list:
+def separable_rule(layer, call: LayerCall, grad) -> list:
     depthwise, pointwise = layer.depthwise_kernel, layer.pointwise_kernel
     dtype = depthwise.dtype
     x, d = channels_last_input_and_grad(layer, call, grad, dtype)  # (B, *out, F)
     a = _patches(layer, x)  # (B, T, C, K)
-    batch, t = tf.shape(x)[0], a.shape[1] if a.shape[1] is not None else -1
+    batch, t = batch_size(x), a.shape[1] if a.shape[1] is not None else -1
     c, m = depthwise.shape[-2], depthwise.shape[-1]
-    w_d = tf.reshape(tf.cast(depthwise, dtype), [-1, c, m])  # (K, C, M)
-    w_p = tf.reshape(tf.cast(pointwise, dtype), [c * m, layer.filters])  # (C*M, F)
-    z = tf.reshape(tf.einsum("btck,kcm->btcm", a, w_d), [batch, t, 1, c * m])
-    flat_d = tf.reshape(d, [batch, t, layer.filters])
-    d_mid = tf.reshape(tf.matmul(flat_d, w_p, transpose_b=True), [*_shape(d)[:-1], c * m])
+    w_d = ops.reshape(ops.cast(depthwise, dtype), [-1, c, m])  # (K, C, M)
+    w_p = ops.reshape(ops.cast(pointwise, dtype), [c * m, layer.filters])  # (C*M, F)
+    z = ops.reshape(ops.einsum("btck,kcm->btcm", a, w_d), [batch, t, 1, c * m])
+    flat_d = ops.reshape(d, [batch, t, layer.filters])
+    d_mid = ops.reshape(ops.matmul(flat_d, ops.transpose(w_p)), [*ops.shape(d)[:-1], c * m])
     ones = (1,) * len(layer.kernel_size)
     return [
         _depthwise_form(layer, depthwise, x, a, d_mid),
         Factored(pointwise, z, flat_d[:, :, None, :], (*ones, c * m, 1, layer.filters)),
         *_bias(layer, d),
     ]
-
-
-def _shape(t: tf.Tensor) -> list:
-    """``t``'s shape, static sizes as ints and the others as scalar tensors."""
-    dynamic = tf.shape(t)
-    return [int(n) if n is not None else dynamic[i] for i, n in enumerate(t.shape)]
 
 
 for _cls in (keras.layers.DepthwiseConv1D, keras.layers.DepthwiseConv2D):

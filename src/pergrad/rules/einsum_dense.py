@@ -17,8 +17,9 @@ import math
 import string
 
 import keras
-import tensorflow as tf
+from keras import ops
 
+from pergrad.backend.ops import batch_size, rank
 from pergrad.rules import LayerCall, plain_weights, register
 from pergrad.rules.forms import Factored, Materialized, positions, unbroadcast
 
@@ -60,21 +61,21 @@ def _applies(layer) -> bool:
 
 
 @register(keras.layers.EinsumDense, splits_activation=True, applies=_applies)
-def einsum_dense_rule(layer, call: LayerCall, grad: tf.Tensor) -> list:
-    x = tf.cast(call.args[0], layer.kernel.dtype)
-    d = tf.cast(grad, layer.kernel.dtype)
-    x_spec, w_spec, z_spec = _expand_ellipsis(layer.equation, x.shape.rank)
+def einsum_dense_rule(layer, call: LayerCall, grad) -> list:
+    x = ops.cast(call.args[0], layer.kernel.dtype)
+    d = ops.cast(grad, layer.kernel.dtype)
+    x_spec, w_spec, z_spec = _expand_ellipsis(layer.equation, rank(x))
     parts = _classify(x_spec, w_spec, z_spec)
     if parts is None:
         raise NotImplementedError(f"EinsumDense equation {layer.equation!r} has no factored rule")
     batch_letter, s, g, c, o = parts
     size = dict(zip(x_spec, x.shape, strict=True)) | dict(zip(w_spec, layer.kernel.shape, strict=True))
-    n_batch = tf.shape(x)[0]
+    n_batch = batch_size(x)
 
     def arrange(t, spec, order, last):
-        t = tf.transpose(t, [spec.index(ch) for ch in order])
+        t = ops.transpose(t, [spec.index(ch) for ch in order])
         width = [math.prod(size[ch] for ch in g) or 1, math.prod(size[ch] for ch in last) or 1]
-        return tf.reshape(t, [n_batch, positions(size[ch] for ch in s), *width])
+        return ops.reshape(t, [n_batch, positions(size[ch] for ch in s), *width])
 
     a = arrange(x, x_spec, [batch_letter, *s, *g, *c], c)
     dd = arrange(d, z_spec, [batch_letter, *s, *g, *o], o)

@@ -29,14 +29,22 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
-import tensorflow as tf
+from keras import ops
 
-from pergrad._compat import current_graph
+from pergrad.backend.ops import (
+    add_n,
+    batch_size,
+    dtype_of,
+    matmul_ta,
+    rank,
+    static_or_none,
+    trace_token,
+    zero_rows,
+)
 
-
-def _static(dim: int | None) -> int | None:
-    return None if dim is None else int(dim)
+Tensor = Any
 
 
 @dataclass
@@ -51,11 +59,11 @@ class Factored:
     """
 
     variable: object
-    a: tf.Tensor
-    d: tf.Tensor
+    a: Tensor
+    d: Tensor
     natural_shape: tuple[int, ...]
     perm: tuple[int, ...] | None = None
-    summed: Callable[[tf.Tensor], tf.Tensor] | None = None
+    summed: Callable[[Tensor], Tensor] | None = None
     _matrices: tuple | None = field(default=None, init=False, repr=False, compare=False)
 
     @property
@@ -67,54 +75,56 @@ class Factored:
         return ("factored", self.natural_shape, self.perm, tuple(self.a.shape[2:]),
                 tuple(self.d.shape[2:]))
 
-    def _to_variable_layout(self, m: tf.Tensor, batched: bool) -> tf.Tensor:
-        lead = [tf.shape(m)[0]] if batched else []
-        m = tf.reshape(m, lead + list(self.natural_shape))
+    def _to_variable_layout(self, m: Tensor, batched: bool) -> Tensor:
+        lead = [batch_size(m)] if batched else []
+        m = ops.reshape(m, lead + list(self.natural_shape))
         if self.perm is not None:
             offset = 1 if batched else 0
-            m = tf.transpose(m, ([0] if batched else []) + [p + offset for p in self.perm])
-        return tf.reshape(m, lead + list(self.var_shape))
+            m = ops.transpose(m, ([0] if batched else []) + [p + offset for p in self.perm])
+        return ops.reshape(m, lead + list(self.var_shape))
 
-    def _from_variable_layout(self, v: tf.Tensor) -> tf.Tensor:
+    def _from_variable_layout(self, v: Tensor) -> Tensor:
         """Inverse of ``_to_variable_layout`` for one unbatched tensor, returned as (I, G, O)."""
         if self.perm is not None:
             permuted = [self.natural_shape[p] for p in self.perm]
-            v = tf.reshape(v, permuted)
+            v = ops.reshape(v, permuted)
             inverse = [0] * len(self.perm)
             for position, axis in enumerate(self.perm):
                 inverse[axis] = position
-            v = tf.transpose(v, inverse)
+            v = ops.transpose(v, inverse)
         g, i, o = self.a.shape[2], self.a.shape[3], self.d.shape[3]
         # natural order is (I..., G..., O...): reshape to (I, G, O)
-        return tf.reshape(v, [i, g, o])
+        return ops.reshape(v, [i, g, o])
 
-    def _per_example_matrices(self) -> tf.Tensor:
+    def _per_example_matrices(self) -> Tensor:
         """``(B, G, O, I)``: ``sum_t d_t a_t^T`` per example and group, in the layout TensorFlow
         multiplies fastest (``matmul(D, A, transpose_a=True)``: 0.6 ms against 1.8 ms for
-        ``A^T D`` with the benchmark CNN's first layer). Built once per form: norms, dots and
-        Gram matrices share it; only ``materialize`` transposes it to the variable's layout."""
-        graph = current_graph()
-        if self._matrices is None or self._matrices[0] is not graph:
+        ``A^T D`` with the benchmark CNN's first layer). Built once per form (per graph on
+        TensorFlow): norms, dots and Gram matrices share it; only ``materialize`` transposes
+        it to the variable's layout."""
+        token = trace_token()
+        if token is None or self._matrices is None or self._matrices[0] is not token:
             a, d = self.a, self.d
             if a.shape[1] == 1:  # one position: a plain outer product
                 m = d[:, 0, :, :, None] * a[:, 0, :, None, :]
             elif a.shape[2] == 1:
-                m = tf.matmul(d[:, :, 0, :], a[:, :, 0, :], transpose_a=True)[:, None]
+                m = matmul_ta(d[:, :, 0, :], a[:, :, 0, :])[:, None]
             else:
-                m = tf.matmul(tf.transpose(d, [0, 2, 1, 3]), tf.transpose(a, [0, 2, 1, 3]),
-                              transpose_a=True)
+                m = matmul_ta(ops.transpose(d, [0, 2, 1, 3]), ops.transpose(a, [0, 2, 1, 3]))
+            if token is None:
+                return m
             # Remembered per graph: a tensor made inside a tf.cond branch is not usable outside.
-            self._matrices = (graph, m)
+            self._matrices = (token, m)
         return self._matrices[1]
 
-    def materialize(self) -> tf.Tensor:
+    def materialize(self) -> Tensor:
         if self.a.shape[1] == 1:
             # One position: write the outer products once, straight into the (B, I, G, O)
             # layout (they are memory-bound: B I O floats for a Dense kernel).
-            a = tf.transpose(self.a[:, 0], [0, 2, 1])  # (B, I, G); G is 1 for Dense
+            a = ops.transpose(self.a[:, 0], [0, 2, 1])  # (B, I, G); G is 1 for Dense
             m = a[:, :, :, None] * self.d[:, 0][:, None, :, :]
         else:
-            m = tf.transpose(self._per_example_matrices(), [0, 3, 1, 2])  # (B, I, G, O)
+            m = ops.transpose(self._per_example_matrices(), [0, 3, 1, 2])  # (B, I, G, O)
         return self._to_variable_layout(m, batched=True)
 
     def _materializing(self) -> bool:
@@ -122,60 +132,62 @@ class Factored:
         the ghost Gram form (``T^2 (I + O)``). One batched GEMM runs about twice as fast per
         multiply-add as the two Gram einsums here, hence the factor 2 (measured on the benchmark
         CNN's second layer: 5.1 ms materialized against 5.9 ms ghost at ``T I O = 0.9 T^2 (I+O)``)."""
-        t, i, o = _static(self.a.shape[1]), _static(self.a.shape[3]), _static(self.d.shape[3])
+        t, i, o = (static_or_none(self.a.shape[1]), static_or_none(self.a.shape[3]),
+                   static_or_none(self.d.shape[3]))
         return t is None or t * i * o <= 2 * t * t * (i + o)
 
-    def squared_norms(self) -> tf.Tensor:
-        t = _static(self.a.shape[1])
+    def squared_norms(self) -> Tensor:
+        t = static_or_none(self.a.shape[1])
         if t == 1:
             # ||a d^T||^2 = ||a||^2 ||d||^2 per group.
-            return tf.reduce_sum(
-                tf.reduce_sum(tf.square(self.a), [1, 3]) * tf.reduce_sum(tf.square(self.d), [1, 3]),
+            return ops.sum(
+                ops.sum(ops.square(self.a), [1, 3]) * ops.sum(ops.square(self.d), [1, 3]),
                 axis=1,
             )
         if not self._materializing():
             # ||sum_t a_t d_t^T||^2 = sum_{t,s} (a_t . a_s)(d_t . d_s)   (the Gram or "ghost" trick)
-            gram_a = tf.einsum("btgi,bsgi->bgts", self.a, self.a)
-            gram_d = tf.einsum("btgo,bsgo->bgts", self.d, self.d)
-            return tf.reduce_sum(gram_a * gram_d, axis=[1, 2, 3])
+            gram_a = ops.einsum("btgi,bsgi->bgts", self.a, self.a)
+            gram_d = ops.einsum("btgo,bsgo->bgts", self.d, self.d)
+            return ops.sum(gram_a * gram_d, axis=[1, 2, 3])
         m = self._per_example_matrices()
-        return tf.reduce_sum(tf.square(m), axis=[1, 2, 3])
+        return ops.sum(ops.square(m), axis=[1, 2, 3])
 
-    def dots(self, vector: tf.Tensor) -> tf.Tensor:
-        v = self._from_variable_layout(tf.cast(vector, self.a.dtype))
+    def dots(self, vector: Tensor) -> Tensor:
+        v = self._from_variable_layout(ops.cast(vector, dtype_of(self.a)))
         if self.a.shape[1] != 1 and self._materializing():
             # The per-example matrices are built for the norms anyway (and shared with them
             # inside one graph): <M_i, V> costs I O per example instead of T I O.
             m = self._per_example_matrices()
-            v = tf.transpose(v, [1, 2, 0])  # (G, O, I), as the matrices
-            return tf.reduce_sum(tf.reshape(m * v[None], [tf.shape(m)[0], -1]), axis=1)
-        av = tf.einsum("btgi,igo->btgo", self.a, v)
-        return tf.reduce_sum(av * self.d, axis=[1, 2, 3])
+            v = ops.transpose(v, [1, 2, 0])  # (G, O, I), as the matrices
+            return ops.sum(ops.reshape(m * v[None], [batch_size(m), -1]), axis=1)
+        av = ops.einsum("btgi,igo->btgo", self.a, v)
+        return ops.sum(av * self.d, axis=[1, 2, 3])
 
-    def weighted_sum(self, coefficients: tf.Tensor) -> tf.Tensor:
+    def weighted_sum(self, coefficients: Tensor) -> Tensor:
         if self.summed is not None:
-            return tf.reshape(self.summed(coefficients), self.var_shape)
-        c = tf.cast(coefficients, self.a.dtype)[:, None, None, None]
+            return ops.reshape(self.summed(coefficients), self.var_shape)
+        c = ops.cast(coefficients, dtype_of(self.a))[:, None, None, None]
         i, g, o = self.a.shape[3], self.a.shape[2], self.d.shape[3]
         if g == 1:  # one matmul over all (example, position) rows, like the batch gradient
-            m = tf.matmul(tf.reshape(self.a * c, [-1, i]), tf.reshape(self.d, [-1, o]),
-                          transpose_a=True)[:, None, :]
+            m = matmul_ta(ops.reshape(self.a * c, [-1, i]), ops.reshape(self.d, [-1, o]))
+            m = m[:, None, :]
         else:
-            m = tf.einsum("btgi,btgo->igo", self.a * c, self.d)
+            m = ops.einsum("btgi,btgo->igo", self.a * c, self.d)
         return self._to_variable_layout(m, batched=False)
 
-    def gram(self) -> tf.Tensor:
+    def gram(self) -> Tensor:
         """``K[i, j] = <g_i, g_j>``, ``(B, B)``: ghost ``sum_{t,s} (a_it . a_js)(d_it . d_js)``
         or the materialized ``M M^T``, whichever costs less."""
-        t, i, o = _static(self.a.shape[1]), _static(self.a.shape[3]), _static(self.d.shape[3])
+        t, i, o = (static_or_none(self.a.shape[1]), static_or_none(self.a.shape[3]),
+                   static_or_none(self.d.shape[3]))
         if t is not None and t * t * (i + o) < t * i * o + i * o:
-            gram_a = tf.einsum("btgi,csgi->bcgts", self.a, self.a)
-            gram_d = tf.einsum("btgo,csgo->bcgts", self.d, self.d)
-            return tf.reduce_sum(gram_a * gram_d, axis=[2, 3, 4])
-        flat = tf.reshape(self._per_example_matrices(), [tf.shape(self.a)[0], -1])
-        return tf.matmul(flat, flat, transpose_b=True)
+            gram_a = ops.einsum("btgi,csgi->bcgts", self.a, self.a)
+            gram_d = ops.einsum("btgo,csgo->bcgts", self.d, self.d)
+            return ops.sum(gram_a * gram_d, axis=[2, 3, 4])
+        flat = ops.reshape(self._per_example_matrices(), [batch_size(self.a), -1])
+        return ops.matmul(flat, ops.transpose(flat))
 
-    def masked(self, keep: tf.Tensor) -> Factored:
+    def masked(self, keep: Tensor) -> Factored:
         """The form with the rows of examples where ``keep`` is false set to zero (NaN rows
         included). The native ``summed`` kernel reads the unmasked inputs, so it is used only
         while every row is kept."""
@@ -186,9 +198,9 @@ class Factored:
         native = self.summed
 
         def summed(coefficients):  # the native kernel while no row is dropped
-            return tf.cond(tf.reduce_all(keep), lambda: tf.reshape(native(coefficients),
-                                                                    self.var_shape),
-                           lambda: plain.weighted_sum(coefficients))
+            return ops.cond(ops.all(keep),
+                            lambda: ops.reshape(native(coefficients), self.var_shape),
+                            lambda: plain.weighted_sum(coefficients))
 
         return Factored(self.variable, plain.a, plain.d, self.natural_shape, self.perm, summed)
 
@@ -198,8 +210,9 @@ class Factored:
         if self.summed is not None and other.summed is not None:
             def summed(c, first=self.summed, second=other.summed):
                 return first(c) + second(c)
-        return Factored(self.variable, tf.concat([self.a, other.a], 1),
-                        tf.concat([self.d, other.d], 1), self.natural_shape, self.perm, summed)
+        return Factored(self.variable, ops.concatenate([self.a, other.a], 1),
+                        ops.concatenate([self.d, other.d], 1), self.natural_shape, self.perm,
+                        summed)
 
 
 @dataclass
@@ -207,30 +220,30 @@ class Materialized:
     """``g_i`` given explicitly, shape ``(B, *variable.shape)``."""
 
     variable: object
-    value: tf.Tensor
+    value: Tensor
 
     signature = ("materialized",)
 
-    def materialize(self) -> tf.Tensor:
+    def materialize(self) -> Tensor:
         return self.value
 
-    def squared_norms(self) -> tf.Tensor:
-        flat = tf.reshape(self.value, [tf.shape(self.value)[0], -1])
-        return tf.reduce_sum(tf.square(flat), axis=1)
+    def squared_norms(self) -> Tensor:
+        flat = ops.reshape(self.value, [batch_size(self.value), -1])
+        return ops.sum(ops.square(flat), axis=1)
 
-    def dots(self, vector: tf.Tensor) -> tf.Tensor:
-        prod = self.value * tf.cast(vector, self.value.dtype)[None]
-        return tf.reduce_sum(tf.reshape(prod, [tf.shape(prod)[0], -1]), axis=1)
+    def dots(self, vector: Tensor) -> Tensor:
+        prod = self.value * ops.cast(vector, dtype_of(self.value))[None]
+        return ops.sum(ops.reshape(prod, [batch_size(prod), -1]), axis=1)
 
-    def weighted_sum(self, coefficients: tf.Tensor) -> tf.Tensor:
-        c = tf.cast(coefficients, self.value.dtype)
-        return tf.tensordot(c, self.value, axes=1)
+    def weighted_sum(self, coefficients: Tensor) -> Tensor:
+        c = ops.cast(coefficients, dtype_of(self.value))
+        return ops.tensordot(c, self.value, axes=1)
 
-    def gram(self) -> tf.Tensor:
-        flat = tf.reshape(self.value, [tf.shape(self.value)[0], -1])
-        return tf.matmul(flat, flat, transpose_b=True)
+    def gram(self) -> Tensor:
+        flat = ops.reshape(self.value, [batch_size(self.value), -1])
+        return ops.matmul(flat, ops.transpose(flat))
 
-    def masked(self, keep: tf.Tensor) -> Materialized:
+    def masked(self, keep: Tensor) -> Materialized:
         return Materialized(self.variable, zero_rows(self.value, keep))
 
     def merged_with(self, other: Materialized) -> Materialized:
@@ -241,14 +254,14 @@ class Materialized:
 class Rows:
     """An embedding table's gradient: ``g_i[n] = sum_t [ids_i[t] = n] D_i[t]``.
 
-    ``ids``: ``(B, T)`` integers; ``d``: ``(B, T, O)``; the table is ``(num_rows, O)``. Norms use
-    one segment sum over the distinct (example, row) pairs, so repeated ids within an example are
-    summed before squaring, as they must be.
+    ``ids``: ``(B, T)`` integers; ``d``: ``(B, T, O)``; the table is ``(num_rows, O)``. Norms
+    sort each example's ids and sum the rows of equal ids before squaring (one segment sum over
+    ``B T`` static segments), so repeated ids within an example add up, as they must.
     """
 
     variable: object
-    ids: tf.Tensor
-    d: tf.Tensor
+    ids: Tensor
+    d: Tensor
 
     signature = ("rows",)
 
@@ -256,78 +269,82 @@ class Rows:
     def num_rows(self) -> int:
         return int(self.variable.shape[0])
 
-    def _example_row_keys(self) -> tf.Tensor:
-        batch = tf.shape(self.ids, out_type=tf.int64)[0]
-        example = tf.range(batch, dtype=tf.int64)[:, None]
-        return example * self.num_rows + tf.cast(self.ids, tf.int64)
+    def _flat_d(self) -> Tensor:
+        return ops.reshape(self.d, [-1, self.d.shape[-1]])
 
-    def _flat_d(self) -> tf.Tensor:
-        return tf.reshape(self.d, [-1, self.d.shape[-1]])
+    def materialize(self) -> Tensor:
+        batch = batch_size(self.ids)
+        example = ops.arange(batch, dtype="int32")[:, None]
+        keys = ops.reshape(example * self.num_rows + ops.cast(self.ids, "int32"), [-1])
+        rows = ops.segment_sum(self._flat_d(), keys, batch * self.num_rows)
+        return ops.reshape(rows, [batch, *self.variable.shape])
 
-    def materialize(self) -> tf.Tensor:
-        batch = tf.shape(self.ids)[0]
-        keys = tf.reshape(self._example_row_keys(), [-1])
-        rows = tf.math.unsorted_segment_sum(self._flat_d(), keys,
-                                            tf.cast(batch, tf.int64) * self.num_rows)
-        return tf.reshape(rows, [batch, *self.variable.shape])
+    def squared_norms(self) -> Tensor:
+        """``||g_i||^2 = sum_n ||sum_{t: ids_it = n} D_it||^2``: with each example's ids sorted,
+        equal ids are neighbours; ``rank_it`` (how many distinct ids precede position ``t``)
+        numbers the segments, and segment ``i T + rank_it`` collects id ``n``'s rows."""
+        batch, t = batch_size(self.ids), ops.shape(self.ids)[1]
+        order = ops.argsort(self.ids, axis=1)
+        ids = ops.take_along_axis(self.ids, order, axis=1)
+        d = ops.take_along_axis(self.d, order[:, :, None], axis=1)
+        new = ops.concatenate([ops.ones_like(ids[:, :1]),
+                               ops.cast(ops.not_equal(ids[:, 1:], ids[:, :-1]), ids.dtype)], 1)
+        local = ops.cumsum(ops.cast(new, "int32"), axis=1) - 1
+        segment = ops.arange(batch, dtype="int32")[:, None] * t + local
+        rows = ops.segment_sum(ops.reshape(d, [-1, d.shape[-1]]), ops.reshape(segment, [-1]),
+                               batch * t)
+        return ops.sum(ops.reshape(ops.square(rows), [batch, -1]), axis=1)
 
-    def squared_norms(self) -> tf.Tensor:
-        keys = tf.reshape(self._example_row_keys(), [-1])
-        unique_keys, position = tf.unique(keys)
-        rows = tf.math.unsorted_segment_sum(self._flat_d(), position, tf.size(unique_keys))
-        row_sq = tf.reduce_sum(tf.square(rows), axis=1)
-        example = unique_keys // self.num_rows
-        return tf.math.unsorted_segment_sum(row_sq, example, tf.cast(tf.shape(self.ids)[0], tf.int64))
+    def dots(self, vector: Tensor) -> Tensor:
+        looked_up = ops.take(ops.cast(vector, dtype_of(self.d)), self.ids, axis=0)
+        return ops.sum(looked_up * self.d, axis=[1, 2])
 
-    def dots(self, vector: tf.Tensor) -> tf.Tensor:
-        looked_up = tf.gather(tf.cast(vector, self.d.dtype), self.ids)
-        return tf.reduce_sum(looked_up * self.d, axis=[1, 2])
+    def weighted_sum(self, coefficients: Tensor) -> Tensor:
+        c = ops.cast(coefficients, dtype_of(self.d))[:, None, None]
+        flat = ops.reshape(self.d * c, [-1, self.d.shape[-1]])
+        return ops.segment_sum(flat, ops.reshape(self.ids, [-1]), self.num_rows)
 
-    def weighted_sum(self, coefficients: tf.Tensor) -> tf.Tensor:
-        c = tf.cast(coefficients, self.d.dtype)[:, None, None]
-        flat = tf.reshape(self.d * c, [-1, self.d.shape[-1]])
-        return tf.math.unsorted_segment_sum(flat, tf.reshape(self.ids, [-1]), self.num_rows)
-
-    def gram(self) -> tf.Tensor:
+    def gram(self) -> Tensor:
         """``<g_i, g_j> = sum_{t,s} [ids_it = ids_js] (d_it . d_js)``."""
-        same = tf.cast(tf.equal(self.ids[:, None, :, None], self.ids[None, :, None, :]), self.d.dtype)
-        dd = tf.einsum("bto,cso->bcts", self.d, self.d)
-        return tf.reduce_sum(same * dd, axis=[2, 3])
+        same = ops.cast(ops.equal(self.ids[:, None, :, None], self.ids[None, :, None, :]),
+                        dtype_of(self.d))
+        dd = ops.einsum("bto,cso->bcts", self.d, self.d)
+        return ops.sum(same * dd, axis=[2, 3])
 
-    def masked(self, keep: tf.Tensor) -> Rows:
+    def masked(self, keep: Tensor) -> Rows:
         return Rows(self.variable, self.ids, zero_rows(self.d, keep))
 
     def merged_with(self, other: Rows) -> Rows:
-        return Rows(self.variable, tf.concat([self.ids, other.ids], 1),
-                    tf.concat([self.d, other.d], 1))
+        return Rows(self.variable, ops.concatenate([self.ids, other.ids], 1),
+                    ops.concatenate([self.d, other.d], 1))
 
 
 class Scaled:
     """``factor`` times the gradients of ``inner`` (``factor^2`` for norms and Gram matrices):
     how ``PerExampleModel`` undoes loss scaling without recomputing anything."""
 
-    def __init__(self, inner, factor: tf.Tensor) -> None:
+    def __init__(self, inner, factor: Tensor) -> None:
         self.inner, self.factor, self.variable = inner, factor, inner.variable
 
-    def _times(self, t: tf.Tensor, power: int = 1) -> tf.Tensor:
-        return t * tf.cast(self.factor, t.dtype) ** power
+    def _times(self, t: Tensor, power: int = 1) -> Tensor:
+        return t * ops.cast(self.factor, dtype_of(t)) ** power
 
-    def materialize(self) -> tf.Tensor:
+    def materialize(self) -> Tensor:
         return self._times(self.inner.materialize())
 
-    def squared_norms(self) -> tf.Tensor:
+    def squared_norms(self) -> Tensor:
         return self._times(self.inner.squared_norms(), 2)
 
-    def dots(self, vector: tf.Tensor) -> tf.Tensor:
+    def dots(self, vector: Tensor) -> Tensor:
         return self._times(self.inner.dots(vector))
 
-    def weighted_sum(self, coefficients: tf.Tensor) -> tf.Tensor:
+    def weighted_sum(self, coefficients: Tensor) -> Tensor:
         return self._times(self.inner.weighted_sum(coefficients))
 
-    def gram(self) -> tf.Tensor:
+    def gram(self) -> Tensor:
         return self._times(self.inner.gram(), 2)
 
-    def masked(self, keep: tf.Tensor) -> Scaled:
+    def masked(self, keep: Tensor) -> Scaled:
         return Scaled(self.inner.masked(keep), self.factor)
 
     @property
@@ -336,13 +353,6 @@ class Scaled:
 
     def merged_with(self, other):
         return Materialized(self.variable, self.materialize() + other.materialize())
-
-
-def zero_rows(t: tf.Tensor, keep: tf.Tensor) -> tf.Tensor:
-    """``t`` with the rows (first axis) where ``keep`` is false replaced by zeros (not multiplied:
-    NaN and inf rows become 0 too)."""
-    mask = tf.reshape(keep, [-1] + [1] * (t.shape.rank - 1))
-    return tf.where(mask, t, tf.zeros_like(t))
 
 
 Form = Factored | Materialized | Rows | Scaled
@@ -369,16 +379,20 @@ def positions(dims) -> int:
     return int(math.prod(int(d) for d in dims))
 
 
-def unbroadcast(grad: tf.Tensor, shape: tuple[int, ...]) -> tf.Tensor:
+def unbroadcast(grad: Tensor, shape: tuple[int, ...]) -> Tensor:
     """Per-example gradient of a parameter of ``shape`` added with broadcasting to ``grad``'s rows.
 
     ``grad`` is ``(B, ...)``; leading non-batch axes beyond ``len(shape)`` and axes where the
     parameter has size 1 are summed, giving ``(B, *shape)``.
     """
-    extra = grad.shape.rank - 1 - len(shape)
+    extra = rank(grad) - 1 - len(shape)
     if extra > 0:
-        grad = tf.reduce_sum(grad, axis=list(range(1, 1 + extra)))
+        grad = ops.sum(grad, axis=list(range(1, 1 + extra)))
     keep = [i + 1 for i, n in enumerate(shape) if n == 1 and grad.shape[i + 1] != 1]
     if keep:
-        grad = tf.reduce_sum(grad, axis=keep, keepdims=True)
-    return tf.reshape(grad, [tf.shape(grad)[0], *shape])
+        grad = ops.sum(grad, axis=keep, keepdims=True)
+    return ops.reshape(grad, [batch_size(grad), *shape])
+
+
+__all__ = ["Factored", "Form", "Materialized", "Rows", "Scaled", "add_n", "combine",
+           "positions", "unbroadcast", "zero_rows"]

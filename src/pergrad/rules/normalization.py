@@ -16,8 +16,9 @@ output depends on every other example, per-example gradients do not exist, and t
 from __future__ import annotations
 
 import keras
-import tensorflow as tf
+from keras import ops
 
+from pergrad.backend.ops import batch_size, rank
 from pergrad.rules import LayerCall, register
 from pergrad.rules.forms import Materialized
 
@@ -38,14 +39,14 @@ def _is_rms(layer) -> bool:
     return bool(_RMS) and isinstance(layer, _RMS)
 
 
-def _normalized(layer, call: LayerCall) -> tf.Tensor:
+def _normalized(layer, call: LayerCall):
     gamma, beta = _scale_and_offset(layer)
     trainable = []
     for v in layer.trainable_variables:
         if v is gamma:
-            trainable.append(tf.ones(v.shape, v.dtype))
+            trainable.append(ops.ones(v.shape, v.dtype))
         elif v is beta:
-            trainable.append(tf.zeros(v.shape, v.dtype))
+            trainable.append(ops.zeros(v.shape, v.dtype))
         else:
             trainable.append(v.value)
     non_trainable = [v.value for v in layer.non_trainable_variables]
@@ -61,23 +62,23 @@ def _param_axes(layer, rank: int) -> list[int]:
     return [a % rank for a in axes]
 
 
-def _per_example(layer, values: tf.Tensor, variable) -> tf.Tensor:
-    rank = values.shape.rank
-    axes = _param_axes(layer, rank)
-    summed = [a for a in range(1, rank) if a not in axes]
-    reduced = tf.reduce_sum(values, axis=summed) if summed else values
+def _per_example(layer, values, variable):
+    ndim = rank(values)
+    axes = _param_axes(layer, ndim)
+    summed = [a for a in range(1, ndim) if a not in axes]
+    reduced = ops.sum(values, axis=summed) if summed else values
     order = sorted(axes)
     if order != axes:
-        reduced = tf.transpose(reduced, [0, *[1 + order.index(a) for a in axes]])
-    return tf.reshape(tf.cast(reduced, variable.dtype), [tf.shape(values)[0], *variable.shape])
+        reduced = ops.transpose(reduced, [0, *[1 + order.index(a) for a in axes]])
+    return ops.reshape(ops.cast(reduced, variable.dtype), [batch_size(values), *variable.shape])
 
 
-def normalization_rule(layer, call: LayerCall, grad: tf.Tensor) -> list:
+def normalization_rule(layer, call: LayerCall, grad) -> list:
     forms = []
-    d = tf.cast(grad, layer.variable_dtype)
+    d = ops.cast(grad, layer.variable_dtype)
     gamma, beta = _scale_and_offset(layer)
     if gamma is not None and gamma.trainable:
-        xhat = tf.cast(_normalized(layer, call), layer.variable_dtype)
+        xhat = ops.cast(_normalized(layer, call), layer.variable_dtype)
         forms.append(Materialized(gamma, _per_example(layer, d * xhat, gamma)))
     if beta is not None and beta.trainable and not getattr(layer, "rms_scaling", False):
         forms.append(Materialized(beta, _per_example(layer, d, beta)))

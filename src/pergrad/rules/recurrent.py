@@ -36,6 +36,7 @@ from typing import NamedTuple
 import keras
 import tensorflow as tf
 
+from pergrad.backend import is_tensorflow
 from pergrad.rules import LayerCall, register
 from pergrad.rules.forms import Factored, Materialized
 
@@ -252,7 +253,11 @@ def _registered_class(layer) -> type:
 
 
 def _exact(layer) -> bool:
-    """The recomputed recurrence is the layer's own: see the module docstring."""
+    """The recomputed recurrence is the layer's own: see the module docstring. The recurrence
+    is written with ``tf.scan``: on the JAX backend these layers take the generic rule
+    (``jax.vmap`` of the layer's own VJP, exact)."""
+    if not is_tensorflow():
+        return False
     layer_class = _registered_class(layer)
     cell = layer.cell
     return (type(cell) is _CELLS[layer_class][0]

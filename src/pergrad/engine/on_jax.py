@@ -1,0 +1,342 @@
+"""The JAX engine: one ``jax.vjp`` to zero perturbations added at the tapped pre-activations,
+then the same rules as every backend; and the whole-model baselines ``loop``, ``vmap`` and
+``jacobian``, all returning a :class:`PerExampleResult`.
+
+Everything here runs inside the ``jax.jit`` that :class:`pergrad.PerExample` compiles, under a
+``keras.StatelessScope`` mapping every model variable to a traced value (:func:`stateless`).
+
+**Taps.** For the summed loss ``L(theta, x)`` and a tapped pre-activation ``z_k``, define
+``L_k(e) = L`` with ``z_k`` replaced by ``z_k + e_k``; then ``dL/dz_k = dL/de_k`` at ``e = 0``.
+The forward pass runs twice while tracing: once to learn the taps' shapes (dead code that XLA
+removes), once inside ``jax.vjp`` with the zeros ``e`` as its input, so a single backward pass
+returns the gradient at every tap. The layers' recorded inputs leave the differentiated function
+as auxiliary outputs, so the rules see plain traced arrays.
+
+**Generic rule.** A layer without a rule gets ``g_i = d/dW <f(x_i; W), D_i>`` by ``jax.vmap``
+over examples of ``jax.grad`` through ``layer.stateless_call``: XLA vectorizes it, so the
+TensorFlow hazards (pfor's missing converters, the segfault) do not arise.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import keras
+from keras import ops
+
+from pergrad._compat import autocast_scope, call_takes_training, owns_seed_generator, sublayers
+from pergrad.engine.intercept import record_calls
+from pergrad.engine.losses import weighted_losses
+from pergrad.engine.plan import Plan
+from pergrad.engine.result import PerExampleResult
+from pergrad.rules import LayerCall, combine
+from pergrad.rules.forms import Materialized
+
+
+# -- variables as traced values -------------------------------------------------------------------
+def current_values(variables: list) -> list:
+    """The values ``variables`` read as now: the traced ones inside :func:`stateless`."""
+    return [v.value for v in variables]
+
+
+class _Scope:
+    """A ``keras.StatelessScope`` over given values that can tell which variables were written."""
+
+    def __init__(self, variables: list, values: list) -> None:
+        self.scope = keras.StatelessScope(state_mapping=list(zip(variables, values, strict=True)))
+        self.initial = dict(self.scope.state_mapping)
+
+    def written(self, variables: list) -> list:
+        """What each variable was assigned inside the scope; ``None`` where it was not."""
+        out = []
+        for v in variables:
+            value = self.scope.get_current_value(v)
+            out.append(None if value is self.initial.get(id(v)) else value)
+        return out
+
+
+@contextlib.contextmanager
+def stateless(variables: list, values: list):
+    """Every variable of ``variables`` reads as its entry of ``values``; writes are kept in the
+    yielded scope (``scope.written(variables)``) and never reach the variables."""
+    holder = _Scope(variables, values)
+    with holder.scope:
+        yield holder
+
+
+def assign_written(variables: list, written: list) -> None:
+    """Assign what :meth:`_Scope.written` found (dropout seed states, moving statistics), as an
+    ordinary call would have written it."""
+    for variable, value in zip(variables, written, strict=True):
+        if value is not None:
+            variable.assign(value)
+
+
+def _is_array(leaf) -> bool:
+    return isinstance(leaf, (jax.Array, jax.core.Tracer)) or (
+        hasattr(leaf, "shape") and hasattr(leaf, "dtype") and not isinstance(leaf, type))
+
+
+def _floating_leaves(structure) -> list:
+    return [t for t in keras.tree.flatten(structure)
+            if _is_array(t) and jnp.issubdtype(t.dtype, jnp.floating)]
+
+
+# -- the forward pass, recorded and tapped ----------------------------------------------------------
+class _Pass:
+    """One recorded forward pass: the calls in the order they ran, the losses, the predictions
+    and the model's variable writes (seed states), all as traced values of its own trace."""
+
+    def __init__(self, model, plan: Plan, loss_fn, x, y, sample_weight, training: bool,
+                 values: list, taps: list | None):
+        variables = list(model.variables)
+        self.order: list[LayerCall] = []
+        position = iter(range(1 << 30))
+
+        def tap(tensors):
+            if taps is None:
+                return tensors
+
+            def add(t):
+                if not (_is_array(t) and jnp.issubdtype(t.dtype, jnp.floating)):
+                    return t
+                return t + taps[next(position)].astype(t.dtype)
+            return keras.tree.map_structure(add, tensors)
+
+        with stateless(variables, values) as scope:
+            with record_calls(plan, tap=tap, order=self.order):
+                self.predictions = model(x, training=training)
+            self.losses = weighted_losses(loss_fn(y, self.predictions), sample_weight)
+            self.writes = scope.written(variables)
+
+    def tapped(self) -> list:
+        return [t for record in self.order for t in _floating_leaves(record.tapped)]
+
+
+def _record_parts(record: LayerCall) -> tuple[list, Any, list]:
+    """The array leaves of a call's arguments, their structure, and which leaves are arrays."""
+    leaves, structure = keras.tree.flatten((record.args, record.kwargs)), (record.args,
+                                                                             record.kwargs)
+    arrays = [i for i, leaf in enumerate(leaves) if _is_array(leaf)]
+    return [leaves[i] for i in arrays], (structure, leaves), arrays
+
+
+def _rebuild(record: LayerCall, parts: tuple, arrays: list, values: list) -> LayerCall:
+    structure, leaves = parts
+    leaves = list(leaves)
+    for i, value in zip(arrays, values, strict=True):
+        leaves[i] = value
+    args, kwargs = keras.tree.pack_sequence_as(structure, leaves)
+    return LayerCall(record.layer, tuple(args), dict(kwargs), None, record.saved)
+
+
+def run_auto(model, plan: Plan, loss_fn, x, y, sample_weight, training: bool,
+             warned: set) -> PerExampleResult:
+    """Record, one ``jax.vjp`` of the summed loss to every tap, then rules."""
+    del warned  # every layer vectorizes under jax.vmap: there is no loop to warn about
+    variables = list(model.variables)
+    values = current_values(variables)
+    residual_ids = {id(v) for v in plan.residual}
+    residual_index = [k for k, v in enumerate(variables) if id(v) in residual_ids]
+
+    # Shapes only: XLA removes this pass, and its variable writes are dropped with its scope.
+    probe = _Pass(model, plan, loss_fn, x, y, sample_weight, training, values, None)
+    zeros = [jnp.zeros(t.shape, t.dtype) for t in probe.tapped()]
+    layouts = [_record_parts(r)[1:] for r in probe.order]
+
+    def forward(taps, residual):
+        inner = list(values)
+        for k, value in zip(residual_index, residual, strict=True):
+            inner[k] = value
+        recorded = _Pass(model, plan, loss_fn, x, y, sample_weight, training, inner, taps)
+        inputs = [_record_parts(r)[0] for r in recorded.order]
+        aux = (recorded.predictions, recorded.writes, inputs)
+        return recorded.losses, aux
+
+    residual_values = [values[k] for k in residual_index]
+    losses, pullback, (predictions, writes, inputs) = jax.vjp(
+        forward, zeros, residual_values, has_aux=True)
+    tap_grads, _ = pullback(jnp.ones_like(losses))
+    if residual_index:
+        eye = jnp.eye(losses.shape[0], dtype=losses.dtype)
+        _, residual_grads = jax.vmap(pullback)(eye)
+    assign_written(variables, writes)
+
+    rules = {id(layer): rule for layer, rule in plan.ruled}
+    by_variable: dict[int, list] = {}
+    position = 0
+    with stateless(variables, values):
+        for record, (parts, arrays), recorded_inputs in zip(probe.order, layouts, inputs,
+                                                            strict=True):
+            count = len(_floating_leaves(record.tapped))
+            grads = tap_grads[position:position + count]
+            position += count
+            call = _rebuild(record, parts, arrays, recorded_inputs)
+            rule = rules.get(id(record.layer))
+            if rule is not None:
+                forms = rule.fn(record.layer, call, grads[0])
+            else:
+                forms = generic_forms(record.layer, call, grads, training)
+            for form in forms:
+                by_variable.setdefault(id(form.variable), []).append(form)
+    if residual_index:
+        for k, grad in zip(residual_index, residual_grads, strict=True):
+            variable = variables[k]
+            by_variable.setdefault(id(variable), []).append(
+                Materialized(variable, grad.astype(variable.dtype)))
+    trainable = list(model.trainable_variables)
+    forms = [combine(by_variable[id(v)]) if id(v) in by_variable else None for v in trainable]
+    return PerExampleResult(trainable, forms, losses, predictions)
+
+
+# -- the generic rule ---------------------------------------------------------------------------
+def _batched(leaf, batch: int) -> bool:
+    return _is_array(leaf) and len(leaf.shape) > 0 and leaf.shape[0] == batch
+
+
+def generic_forms(layer, call: LayerCall, grads: list, training: bool) -> list[Materialized]:
+    """``g_i = d/dW <f(x_i; W), D_i>`` for every trainable variable of ``layer``: ``jax.vmap``
+    over examples of one layer's VJP through ``stateless_call``."""
+    if training and any(owns_seed_generator(s) for s in sublayers(layer, include_self=True)):
+        raise NotImplementedError(
+            f"Layer {layer.name!r} ({type(layer).__name__}) draws random numbers (dropout) and "
+            "has no rule; on the JAX backend its per-example gradients in training mode are not "
+            "supported yet. Call with training=False, or use strategy='vmap'.")
+    variables = layer.trainable_variables
+    values = current_values(variables)
+    frozen = current_values(layer.non_trainable_variables)
+    leaves = keras.tree.flatten((call.args, call.kwargs))
+    batch = grads[0].shape[0]
+    batched = [i for i, leaf in enumerate(leaves) if _batched(leaf, batch)]
+
+    def one_example(example_leaves, example_grads):
+        full = list(leaves)
+        for k, i in enumerate(batched):
+            full[i] = example_leaves[k][None]
+        args, kwargs = keras.tree.pack_sequence_as((call.args, call.kwargs), full)
+
+        def inner(vals):
+            with autocast_scope(layer):
+                out, _ = layer.stateless_call(vals, frozen, *args, **kwargs)
+            outs = _floating_leaves(out)
+            return sum(jnp.sum(o * g[None].astype(o.dtype))
+                       for o, g in zip(outs, example_grads, strict=True))
+
+        return jax.grad(inner)(values)
+
+    per_example = jax.vmap(one_example)([leaves[i] for i in batched], list(grads))
+    return [Materialized(v, g.astype(v.dtype)) for v, g in zip(variables, per_example,
+                                                               strict=True)]
+
+
+# -- whole-model baselines ------------------------------------------------------------------------
+def _example_loss(model, loss_fn, training: bool, frozen: list):
+    def loss(values, xi, yi, wi):
+        xi = keras.tree.map_structure(lambda t: t[None], xi)
+        yi = None if yi is None else keras.tree.map_structure(lambda t: t[None], yi)
+        kwargs = {"training": training} if call_takes_training(model) else {}
+        with autocast_scope(model):
+            predictions, _ = model.stateless_call(values, frozen, xi, **kwargs)
+        return weighted_losses(loss_fn(yi, predictions), wi[None])[0]
+    return loss
+
+
+def _unit_weights(x, sample_weight):
+    if sample_weight is not None:
+        return sample_weight
+    return jnp.ones([keras.tree.flatten(x)[0].shape[0]], keras.config.floatx())
+
+
+def _materialized(model, grads, losses, predictions) -> PerExampleResult:
+    variables = list(model.trainable_variables)
+    forms = [Materialized(v, ops.cast(g, v.dtype)) for v, g in zip(variables, grads, strict=True)]
+    return PerExampleResult(variables, forms, losses, predictions)
+
+
+def _per_example_map(mapper, model, loss_fn, x, y, sample_weight, training: bool):
+    values = current_values(model.trainable_variables)
+    frozen = current_values(model.non_trainable_variables)
+    loss = _example_loss(model, loss_fn, training, frozen)
+    value_and_grad = jax.value_and_grad(loss)
+    w = _unit_weights(x, sample_weight)
+
+    def one(elems):
+        xi, yi, wi = elems
+        return value_and_grad(values, xi, yi, wi)
+
+    losses, grads = mapper(one, (x, y, w))
+    return _materialized(model, grads, losses, model(x, training=training))
+
+
+def run_vmap(model, loss_fn, x, y, sample_weight, training: bool) -> PerExampleResult:
+    """``jax.vmap(jax.grad(...))`` of one example's loss through ``model.stateless_call``."""
+    return _per_example_map(lambda f, e: jax.vmap(f)(e), model, loss_fn, x, y, sample_weight,
+                            training)
+
+
+def run_loop(model, loss_fn, x, y, sample_weight, training: bool) -> PerExampleResult:
+    """One gradient per example in a sequential ``lax.map``: the reference the others match."""
+    return _per_example_map(jax.lax.map, model, loss_fn, x, y, sample_weight, training)
+
+
+def run_jacobian(model, loss_fn, x, y, sample_weight, training: bool) -> PerExampleResult:
+    """``jax.jacrev`` of the per-example losses with respect to every trainable variable."""
+    variables = list(model.trainable_variables)
+    frozen = current_values(model.non_trainable_variables)
+    kwargs = {"training": training} if call_takes_training(model) else {}
+
+    def losses_of(values):
+        with autocast_scope(model):
+            predictions, _ = model.stateless_call(values, frozen, x, **kwargs)
+        losses = weighted_losses(loss_fn(y, predictions), sample_weight)
+        return losses, (losses, predictions)
+
+    grads, (losses, predictions) = jax.jacrev(losses_of, has_aux=True)(current_values(variables))
+    return _materialized(model, grads, losses, predictions)
+
+
+RUNNERS: dict[str, Any] = {"jacobian": run_jacobian, "vmap": run_vmap, "loop": run_loop}
+
+
+# -- the batch gradient and compilation -----------------------------------------------------------
+def batch_gradient(model, loss_fn, x, y, sample_weight, training: bool) -> list:
+    """``d/dtheta sum_i l_i`` by ``jax.grad`` of the whole model: what :meth:`PerExample.check`
+    compares ``sum_i g_i`` with."""
+    variables = list(model.trainable_variables)
+    frozen = current_values(model.non_trainable_variables)
+    kwargs = {"training": training} if call_takes_training(model) else {}
+
+    def total(values):
+        with autocast_scope(model):
+            predictions, _ = model.stateless_call(values, frozen, x, **kwargs)
+        return jnp.sum(weighted_losses(loss_fn(y, predictions), sample_weight))
+
+    return jax.grad(total)(current_values(variables))
+
+
+def compile_function(model, body, on_trace) -> Any:
+    """``body(*args)`` as one ``jax.jit`` over the model's variable values and ``args``.
+
+    The compiled function reads the variables' values at every call (so it sees training
+    updates without retracing) and writes back what the body assigned (seed states)."""
+
+    def traced(values, *args):
+        on_trace()
+        variables = list(model.variables)
+        with stateless(variables, values) as scope:
+            out = body(*args)
+            writes = scope.written(variables)
+        return out, writes
+
+    jitted = jax.jit(traced)
+
+    def call(*args):
+        variables = list(model.variables)
+        out, writes = jitted([v.value for v in variables], *args)
+        assign_written(variables, writes)
+        return out
+
+    return call
