@@ -37,4 +37,18 @@ def require_supported(what: str = "pergrad") -> str:
     return backend
 
 
-__all__ = ["SUPPORTED", "is_jax", "is_tensorflow", "name", "require_supported"]
+
+
+def require_tensorflow(what: str) -> None:
+    """A ``NotImplementedError`` naming ``what`` unless the backend is TensorFlow: the parts of
+    pergrad not yet ported to the backend-neutral core (docs/backends.md lists them)."""
+    if not is_tensorflow():
+        raise NotImplementedError(
+            f"{what} runs on the TensorFlow backend only in this release; this process runs "
+            f"Keras on {name()!r}. On JAX, pergrad.PerExample (gradients, norms, losses, dot, "
+            "clipped_sum, check) and pergrad.privacy work; see docs/backends.md for what works "
+            "where, or set KERAS_BACKEND=tensorflow.")
+
+
+__all__ = ["SUPPORTED", "is_jax", "is_tensorflow", "name", "require_supported",
+           "require_tensorflow"]

@@ -8,6 +8,7 @@ from typing import Any
 import keras
 import tensorflow as tf
 
+from pergrad.backend import require_tensorflow
 from pergrad.jacobian._call import (
     Argnums,
     diff_positions,
@@ -280,6 +281,7 @@ def jacobian(
       signature (nesting, dtypes and shapes; with batched=True, a new batch size retraces at
       most once) and reused for every later call.
     """
+    require_tensorflow("pergrad.jacobian")
     return Jacobian(
         f,
         mode=mode,

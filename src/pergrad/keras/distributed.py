@@ -38,6 +38,8 @@ import keras
 import numpy as np
 import tensorflow as tf
 
+from pergrad.backend import require_tensorflow
+
 #: The errors a collective raises when a peer is gone or too slow.
 _PEER_ERRORS = (tf.errors.UnavailableError, tf.errors.DeadlineExceededError,
                 tf.errors.CancelledError, tf.errors.AbortedError)
@@ -135,6 +137,7 @@ def fit_distributed(model: keras.Model, x: Any = None, y: Any = None, *,
     Returns:
         The ``History`` of this call. Raises :class:`WorkerFailureError` when a worker is lost.
     """
+    require_tensorflow("pergrad.keras.fit_distributed")
     strategy = strategy or tf.distribute.get_strategy()
     if not all(strategy.extended.variable_created_in_scope(getattr(v, "value", v))
                for v in model.variables):

@@ -29,6 +29,7 @@ import tensorflow as tf
 from pergrad import aggregate
 from pergrad._compat import compiled_loss, loss_tracker
 from pergrad.aggregate import noise
+from pergrad.backend import require_tensorflow
 from pergrad.engine import PerExample, compute_dtype, mixing_tolerance
 from pergrad.rules.normalization import MixesExamplesError
 from pergrad.stats.scores import loss_from_logits
@@ -242,6 +243,7 @@ class PerExampleModel(keras.Model):
     def __init__(self, model: keras.Model, aggregator: aggregate.Aggregator | dict | None = None,
                  monitor: Any = None, check_example_mixing: bool = True,
                  allow_state_updates: bool = False, **kwargs) -> None:
+        require_tensorflow("pergrad.keras.PerExampleModel")
         super().__init__(**kwargs)
         if not isinstance(model, keras.layers.Layer):
             raise TypeError(f"model must be a Keras model, got {type(model).__name__}.")

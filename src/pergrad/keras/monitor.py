@@ -12,6 +12,7 @@ import numpy as np
 import tensorflow as tf
 
 from pergrad._compat import summary_metadata
+from pergrad.backend import require_tensorflow
 from pergrad.engine import PerExampleResult
 from pergrad.keras.example_tables import ExampleTables
 from pergrad.stats import (
@@ -90,6 +91,7 @@ class GradientMonitor(keras.callbacks.Callback):
     def __init__(self, every_n_steps: int = 1, log_dir: str | None = None,
                  csv_path: str | None = None, track_examples: bool = True,
                  num_examples: int | None = None, from_logits: bool | None = None) -> None:
+        require_tensorflow("pergrad.keras.GradientMonitor")
         super().__init__()
         if int(every_n_steps) != every_n_steps or every_n_steps < 1:
             raise ValueError(f"every_n_steps must be a positive integer, got {every_n_steps}.")

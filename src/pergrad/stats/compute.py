@@ -6,6 +6,7 @@ from typing import Any
 
 import tensorflow as tf
 
+from pergrad.backend import require_tensorflow
 from pergrad.engine import PerExample, PerExampleResult
 from pergrad.stats.formulas import batch_statistics, consensus_statistics, cosine
 
@@ -119,6 +120,7 @@ def gradient_statistics(pex: PerExample, x: Any, y: Any = None, sample_weight: A
         stats["cosine_to_batch"]   # (B,)
         stats["noise_scale"]       # scalar
     """
+    require_tensorflow("pergrad.stats.gradient_statistics")
     x, y, sample_weight = pex.prepare(x, y, sample_weight)
     name = "statistics_per_layer" if per_layer else "statistics"
 

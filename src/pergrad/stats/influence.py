@@ -23,6 +23,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 
+from pergrad.backend import require_tensorflow
 from pergrad.engine import PerExample
 
 
@@ -67,6 +68,7 @@ def influence(model: keras.Model, loss: Any, checkpoints: list[Checkpoint], x_tr
 
     Gradients are taken in inference mode (``training=False``: no dropout).
     """
+    require_tensorflow("pergrad.stats.influence")
     if not checkpoints:
         raise ValueError("influence needs at least one checkpoint (train with "
                          "pergrad.keras.TracInCheckpoints among the callbacks).")

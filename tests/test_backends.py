@@ -1,0 +1,112 @@
+"""What every backend must do alike beyond the oracle: compile once, follow weight updates,
+refuse what mixes examples, and say clearly what is not ported."""
+
+from __future__ import annotations
+
+import keras
+import numpy as np
+import pytest
+import zoo
+from oracle import assert_close, keras_loss, loop_gradients
+
+import pergrad
+from pergrad import backend
+
+pytestmark = pytest.mark.all_backends
+
+
+def _flat_norms(grads) -> np.ndarray:
+    return np.linalg.norm(np.concatenate([g.reshape(len(g), -1) for g in grads], axis=1), axis=1)
+
+
+def test_new_weights_are_read_without_retracing(float64):
+    """The compiled computation reads the variables at every call: after set_weights the norms
+    follow the new weights (checked against the oracle), and nothing is traced again."""
+    case = zoo.conv2d(strides=2, padding="same")
+    pex = pergrad.PerExample(case.model, case.loss)
+    before = np.asarray(pex.norms(case.x, case.y))
+    rng = np.random.default_rng(3)
+    case.model.set_weights([w + 0.3 * rng.normal(size=w.shape) for w in case.model.get_weights()])
+    after = np.asarray(pex.norms(case.x, case.y))
+    expected, _ = loop_gradients(case.model, keras_loss(case.loss), case.x, case.y)
+    assert_close(after, _flat_norms(expected), what="norms after set_weights")
+    assert not np.allclose(before, after)
+    assert pex.trace_counts["norms"] == 1
+
+
+def test_a_new_batch_size_traces_once_more(float64):
+    case = zoo.mlp()
+    pex = pergrad.PerExample(case.model, case.loss)
+    for _ in range(2):
+        pex.norms(case.x, case.y)
+        pex.norms(case.x[:3], case.y[:3])
+    assert pex.trace_counts["norms"] <= 2
+
+
+def test_batch_normalization_in_training_mode_is_refused(float64):
+    case = zoo.batch_norm_inference()
+    pex = pergrad.PerExample(case.model, case.loss, training=True)
+    with pytest.raises(pergrad.MixesExamplesError, match="batch_normalization"):
+        pex.norms(case.x, case.y)
+
+
+def test_check_finds_a_loss_that_mixes_examples(float64):
+    case = zoo.mlp()
+
+    def centered(y_true, y_pred):  # subtracts the batch mean: example i sees every example
+        per_example = keras.losses.sparse_categorical_crossentropy(y_true, y_pred,
+                                                                   from_logits=True)
+        return per_example - keras.ops.mean(per_example)
+
+    pex = pergrad.PerExample(case.model, centered)
+    with pytest.raises(pergrad.MixesExamplesError):
+        pex.check(case.x, case.y)
+
+
+def test_dropout_draws_fresh_masks_and_advances_its_seed(float64):
+    """Training mode with a Dropout layer between ruled layers: every call draws a new mask
+    (the seed state the forward pass wrote is kept), as Keras's own call would."""
+    inputs = keras.Input((6,))
+    h = keras.layers.Dropout(0.5, seed=1)(keras.layers.Dense(8, activation="tanh")(inputs))
+    model = keras.Model(inputs, keras.layers.Dense(3)(h))
+    x, y = np.random.default_rng(0).normal(size=(5, 6)), np.arange(5) % 3
+    pex = pergrad.PerExample(model, zoo.SCCE, training=True)
+    seeds = [np.asarray(v).copy() for v in model.non_trainable_variables]
+    first, second = np.asarray(pex.norms(x, y)), np.asarray(pex.norms(x, y))
+    assert not np.allclose(first, second)
+    assert any(not np.array_equal(a, np.asarray(v))
+               for a, v in zip(seeds, model.non_trainable_variables, strict=True))
+
+
+def test_clipped_sum_inside_a_compiled_step_of_ones_own(float64):
+    """``compute`` is traceable inside the user's own compiled function: ``PerExample.compiled``
+    wraps a custom body (a clipped mean) and matches the oracle."""
+    case = zoo.embedding()
+    pex = pergrad.PerExample(case.model, case.loss)
+    x, y, _ = pex.prepare(case.x, case.y)
+
+    def clipped_mean(x, y):
+        result = pex.compute(x, y)
+        factors = keras.ops.minimum(1.0, 0.5 / result.norms())
+        return [s / 5.0 for s in result.weighted_sum(factors)]
+
+    got = pex.compiled("clipped_mean", clipped_mean)(x, y)
+    expected, _ = loop_gradients(case.model, keras_loss(case.loss), case.x, case.y)
+    factors = np.minimum(1.0, 0.5 / _flat_norms(expected))
+    for g, e in zip(got, expected, strict=True):
+        assert_close(g, np.tensordot(factors, e, axes=1) / 5.0)
+
+
+@pytest.mark.skipif(backend.is_tensorflow(), reason="every part runs on TensorFlow")
+def test_parts_not_yet_ported_say_so():
+    model = zoo.mlp().model
+    with pytest.raises(NotImplementedError, match="TensorFlow backend only.*docs/backends.md"):
+        pergrad.keras.PerExampleModel(model)
+    with pytest.raises(NotImplementedError, match="TensorFlow backend only"):
+        pergrad.jacobian(model)
+
+
+def test_an_unsupported_backend_is_named(monkeypatch):
+    monkeypatch.setattr(keras.backend, "backend", lambda: "torch")
+    with pytest.raises(NotImplementedError, match="'torch'.*KERAS_BACKEND=jax"):
+        backend.require_supported("pergrad's engine")
