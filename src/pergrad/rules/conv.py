@@ -130,7 +130,7 @@ def conv_rule(layer, call: LayerCall, grad) -> list:
     dd = ops.reshape(d, [batch, t, groups, c_out // groups])
     natural = (*layer.kernel_size, c_in // groups, groups, c_out // groups)
     summed = None
-    if groups == 1:
+    if groups == 1 and is_tensorflow():  # XLA's filter gradient loses to the GEMM on CPU
         def summed(coefficients):
             return _filter_gradient(layer, x, d * ops.cast(coefficients, dtype)[
                 (slice(None),) + (None,) * (rank(d) - 1)])

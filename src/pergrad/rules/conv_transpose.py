@@ -21,6 +21,7 @@ from __future__ import annotations
 import keras
 from keras import ops
 
+from pergrad.backend import is_tensorflow
 from pergrad.backend.ops import batch_size, rank, vjp
 from pergrad.rules import LayerCall, plain_weights, register
 from pergrad.rules.conv import channels_last_input_and_grad, extract_patches
@@ -45,7 +46,8 @@ def conv_transpose_rule(layer, call: LayerCall, grad) -> list:
         weights = ops.cast(coefficients, dtype)[(slice(None),) + (None,) * (rank(d) - 1)]
         return _filter_gradient(layer, x, d * weights)
 
-    forms = [Factored(layer.kernel, a, xx, natural, summed=summed)]
+    # As for Conv: on JAX the GEMM over patches, not XLA's filter gradient.
+    forms = [Factored(layer.kernel, a, xx, natural, summed=summed if is_tensorflow() else None)]
     if layer.use_bias:
         forms.append(Materialized(layer.bias,
                                   ops.sum(ops.reshape(d, [batch, -1, filters]), 1)))

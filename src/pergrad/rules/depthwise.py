@@ -22,6 +22,7 @@ from __future__ import annotations
 import keras
 from keras import ops
 
+from pergrad.backend import is_tensorflow
 from pergrad.backend.ops import batch_size, rank, vjp
 from pergrad.rules import LayerCall, plain_weights, register
 from pergrad.rules.conv import (
@@ -51,7 +52,9 @@ def _depthwise_form(layer, kernel, x, a, d) -> Factored:
         weights = ops.cast(coefficients, d.dtype)[(slice(None),) + (None,) * (rank(d) - 1)]
         return _filter_gradient(layer, kernel, x, d * weights)
 
-    return Factored(kernel, a, dd, (*layer.kernel_size, c, m), summed=summed)
+    # XLA's depthwise filter gradient is 15x slower than the grouped einsum on CPU: JAX uses the einsum.
+    return Factored(kernel, a, dd, (*layer.kernel_size, c, m),
+                    summed=summed if is_tensorflow() else None)
 
 
 def _filter_gradient(layer, kernel, x, d):

@@ -1,0 +1,169 @@
+"""pergrad on the JAX backend against JAX's own batch gradient and ``jit(vmap(grad))``.
+
+Run with ``KERAS_BACKEND=jax``. For each model and batch size this prints the median time of one
+ordinary batch gradient (``jax.jit(jax.grad)`` of the summed loss through
+``model.stateless_call``) and, as ratios to it measured in the same run:
+
+* pergrad's ``norms``, ``clipped_sum`` and ``gradients`` (``strategy="auto"``: layer rules, one
+  backward pass to the taps);
+* the whole-model baseline ``jax.jit(jax.vmap(jax.grad(one example's loss)))`` and, built on it,
+  its norms and clipped sum: how JAX Privacy's Keras API computes per-example gradients (it
+  clips what ``vmap`` materializes).
+
+    KERAS_BACKEND=jax python benchmarks/bench_jax.py            # the table in docs/backends.md
+    KERAS_BACKEND=jax python benchmarks/bench_jax.py --quick    # two models, batch 64
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import sys
+import time
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+import keras
+
+import pergrad
+from pergrad.bench.models import DEFAULT_BATCH, MODELS, batch
+
+LOSS = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+CLIP = 1.0
+DEFAULT_MODELS = ("mlp", "cnn", "transformer", "resnet", "mobilenet", "text_cnn",
+                  "embedding_bag", "gru")
+
+
+def median_seconds(fn: Callable[[], object], repeats: int, budget_s: float) -> float:
+    """Median of up to ``repeats`` timed calls after one untimed call (compilation)."""
+    jax.block_until_ready(fn())
+    times: list[float] = []
+    while len(times) < repeats and (sum(times) < budget_s or not times):
+        start = time.perf_counter()
+        jax.block_until_ready(fn())
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def _baselines(model):
+    """``(batch gradient, vmap gradients, vmap norms, vmap clipped sum)`` as jitted functions of
+    ``(trainable values, non-trainable values, x, y)``."""
+
+    def example_loss(values, frozen, xi, yi):
+        predictions, _ = model.stateless_call(values, frozen, xi[None])
+        return jnp.sum(LOSS.call(yi[None], predictions))
+
+    def total_loss(values, frozen, x, y):
+        predictions, _ = model.stateless_call(values, frozen, x)
+        return jnp.sum(LOSS.call(y, predictions))
+
+    per_example = jax.vmap(jax.grad(example_loss), in_axes=(None, None, 0, 0))
+
+    def norms_of(grads):
+        return jnp.sqrt(sum(jnp.sum(jnp.reshape(g, (g.shape[0], -1)) ** 2, axis=1)
+                            for g in grads))
+
+    def vmap_norms(values, frozen, x, y):
+        return norms_of(per_example(values, frozen, x, y))
+
+    def vmap_clipped_sum(values, frozen, x, y):
+        grads = per_example(values, frozen, x, y)
+        factors = jnp.minimum(1.0, CLIP / jnp.maximum(norms_of(grads), 1e-30))
+        return [jnp.tensordot(factors, g, axes=1) for g in grads]
+
+    return (jax.jit(jax.grad(total_loss)), jax.jit(per_example), jax.jit(vmap_norms),
+            jax.jit(vmap_clipped_sum))
+
+
+def _timings(model, x, y) -> dict[str, Callable[[], object]]:
+    """What one row times, by its column label, all on the same weights and batch."""
+    values = [v.value for v in model.trainable_variables]
+    frozen = [v.value for v in model.non_trainable_variables]
+    batch_grad, vmap_grads, vmap_norms, vmap_clipped = _baselines(model)
+    pex = pergrad.PerExample(model, LOSS)
+    return {
+        "batch gradient": lambda: batch_grad(values, frozen, x, y),
+        "pergrad norms": lambda: pex.norms(x, y),
+        "pergrad clipped_sum": lambda: pex.clipped_sum(x, y, CLIP),
+        "pergrad gradients": lambda: pex.gradients(x, y),
+        "vmap norms": lambda: vmap_norms(values, frozen, x, y),
+        "vmap clipped_sum": lambda: vmap_clipped(values, frozen, x, y),
+        "vmap gradients": lambda: vmap_grads(values, frozen, x, y),
+    }
+
+
+def run(quick: bool = False, models: tuple[str, ...] | None = None,
+        batch_sizes: tuple[int, ...] | None = None) -> list[dict]:
+    if keras.backend.backend() != "jax":
+        raise SystemExit("Run with KERAS_BACKEND=jax.")
+    models = models or (("mlp", "cnn") if quick else DEFAULT_MODELS)
+    repeats, budget = (3, 1.0) if quick else (7, 6.0)
+    rows = []
+    for name in models:
+        keras.utils.set_random_seed(0)
+        model = MODELS[name]()
+        for size in batch_sizes or ((64,) if quick else DEFAULT_BATCH[name][-1:]):
+            x, y = batch(name, size)
+            timings = _timings(model, jnp.asarray(x), jnp.asarray(y))
+            base = None
+            for label, fn in timings.items():
+                try:
+                    seconds = median_seconds(fn, repeats, budget)
+                except Exception as error:  # noqa: BLE001 - reported in the table, not hidden
+                    rows.append({"model": name, "batch": size, "what": label,
+                                 "ms": None, "ratio": None, "error": type(error).__name__})
+                    continue
+                base = seconds if label == "batch gradient" else base
+                rows.append({"model": name, "batch": size, "what": label, "ms": 1e3 * seconds,
+                             "ratio": None if base is None else seconds / base})
+                print(f"{name} {size} {label}: {1e3 * seconds:.2f} ms", file=sys.stderr,
+                      flush=True)
+    return rows
+
+
+def markdown(rows: list[dict]) -> str:
+    columns = ["pergrad norms", "pergrad clipped_sum", "pergrad gradients", "vmap norms",
+               "vmap clipped_sum", "vmap gradients"]
+    device = jax.devices()[0]
+    lines = [f"JAX {jax.__version__}, Keras {keras.__version__}, {device.platform} "
+             f"({getattr(device, 'device_kind', '')}; {platform.machine()})", "",
+             "| model | batch | batch gradient | " + " | ".join(columns) + " |",
+             "|---|---|---|" + "---|" * len(columns)]
+    keys = sorted({(r["model"], r["batch"]) for r in rows},
+                  key=lambda k: (DEFAULT_MODELS.index(k[0]) if k[0] in DEFAULT_MODELS else 99,
+                                 k[1]))
+    for model, size in keys:
+        cells = {r["what"]: r for r in rows if (r["model"], r["batch"]) == (model, size)}
+        base = cells.get("batch gradient", {})
+        row = [model, str(size), "failed" if base.get("ms") is None else f"{base['ms']:.2f} ms"]
+        for column in columns:
+            cell = cells.get(column, {})
+            if cell.get("ratio") is None:
+                row.append(cell.get("error", "n/a"))
+            else:
+                row.append(f"{cell['ratio']:.2f}x")
+        lines.append("| " + " | ".join(row) + " |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="mlp and cnn at batch 64")
+    parser.add_argument("--models", default=None, help=f"comma-separated, from {sorted(MODELS)}")
+    parser.add_argument("--batch-sizes", default=None, help="comma-separated batch sizes")
+    parser.add_argument("--json", metavar="PATH", help="also write the rows as JSON")
+    args = parser.parse_args(argv)
+    rows = run(args.quick, tuple(args.models.split(",")) if args.models else None,
+               tuple(int(b) for b in args.batch_sizes.split(",")) if args.batch_sizes else None)
+    print(markdown(rows))
+    if args.json:
+        with open(args.json, "w") as handle:
+            json.dump(rows, handle, indent=2)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
