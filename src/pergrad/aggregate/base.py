@@ -22,10 +22,13 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
-import tensorflow as tf
+import keras
+from keras import ops
 
+from pergrad import backend
 from pergrad.aggregate.examples import Batch, finite_examples
 from pergrad.aggregate.noise import NoiseSource
+from pergrad.backend.ops import zero_rows
 
 
 class Partial(NamedTuple):
@@ -44,9 +47,9 @@ class Partial(NamedTuple):
     """
 
     values: list
-    rows: tf.Tensor
-    include: tf.Tensor | None
-    dropped: tf.Tensor
+    rows: Any
+    include: Any
+    dropped: Any
     examples: dict | None = None
 
 
@@ -80,13 +83,14 @@ class Aggregator(NamedTuple):
         """Whether ``finalize`` adds random noise (and so needs a fresh key every release)."""
         return self.noise is not None
 
-    def __call__(self, result, sample_weight=None, *, key=None) -> list[tf.Tensor]:
+    def __call__(self, result, sample_weight=None, *, key=None) -> list:
         """The update for one batch on one device: ``finalize(local(result, batch), key)``.
 
         ``sample_weight`` is the batch's sample weight, if any (the gradients in ``result``
         already include it; order statistics use it to leave out zero-weight rows). A noisy
         aggregator called without ``key`` draws the next key of its own stream, so every call,
-        eager or inside a ``tf.function``, gets fresh noise.
+        eager or inside a ``tf.function``, gets fresh noise. On JAX, inside ``jax.jit``, pass
+        ``key`` as an argument of the compiled function (see :class:`NoiseStream`).
         """
         if key is None and self.noisy:
             key = self.noise.direct_stream(self.name).next_key()
@@ -132,8 +136,13 @@ def cross_replica(partial: Partial, gathers: bool) -> Partial:
     """Combine the replicas' partials: sum linear values, concatenate per-example ones.
 
     Outside a ``tf.distribute`` replica context with more than one replica this is the
-    identity.
+    identity (on JAX always: ``keras.distribution`` shards one global batch, so the partial is
+    already global).
     """
+    if not backend.is_tensorflow():
+        return partial
+    import tensorflow as tf
+
     context = tf.distribute.get_replica_context()
     if context is None or context.num_replicas_in_sync == 1:
         return partial
@@ -164,42 +173,42 @@ def linear_local(coefficients: Callable[[list, Batch], Any], needs_norms: bool):
     """
 
     def local(result, batch: Batch) -> Partial:
-        rows = tf.cast(result.batch_size, result.norm_dtype)
+        rows = ops.cast(result.batch_size, result.norm_dtype)
         if needs_norms:
             squared = result.squared_norms()
             return _linear_with_norms(result, batch, squared, rows)
-        ones = tf.ones([result.batch_size], result.norm_dtype)
+        ones = ops.ones([result.batch_size], result.norm_dtype)
         sums = result.weighted_sum(coefficients(None, batch) * ones)
-        finite = tf.reduce_all([tf.reduce_all(tf.math.is_finite(s)) for s in sums])
+        finite = ops.all(ops.stack([ops.all(ops.isfinite(s)) for s in sums]))
 
         def fast():
-            return [tf.identity(s) for s in sums], tf.zeros([], rows.dtype)
+            return [ops.copy(s) for s in sums], ops.zeros([], rows.dtype)
 
         def slow():
             partial = _linear_with_norms(result, batch, result.squared_norms(), rows)
             return list(partial.values), partial.dropped
 
-        values, dropped = tf.cond(finite, fast, slow)
+        values, dropped = ops.cond(finite, fast, slow)
         return Partial(list(values), rows, None, dropped)
 
     def _linear_with_norms(result, batch, squared, rows) -> Partial:
         keep = finite_examples(result, squared, batch)
-        dropped = tf.reduce_sum(1.0 - tf.cast(keep, rows.dtype))
-        zero = tf.zeros_like(squared[0])
-        clean = [tf.where(keep, s, zero) for s in squared]
+        dropped = ops.sum(1.0 - ops.cast(keep, rows.dtype))
+        zero = ops.zeros_like(squared[0])
+        clean = [ops.where(keep, s, zero) for s in squared]
         c = coefficients(clean if needs_norms else None, batch)
         if isinstance(c, (list, tuple)):
-            c = [tf.where(keep, ci, tf.zeros_like(ci)) for ci in c]
+            c = [ops.where(keep, ci, ops.zeros_like(ci)) for ci in c]
         else:
-            c = tf.where(keep, c * tf.ones_like(zero), zero)
+            c = ops.where(keep, c * ops.ones_like(zero), zero)
 
         def as_is():
-            return [tf.identity(s) for s in result.weighted_sum(c)]
+            return [ops.copy(s) for s in result.weighted_sum(c)]
 
         def with_rows_zeroed():
             return result.masked(keep).weighted_sum(c)
 
-        values = tf.cond(tf.reduce_all(keep), as_is, with_rows_zeroed)
+        values = ops.cond(ops.all(keep), as_is, with_rows_zeroed)
         return Partial(list(values), rows, None, dropped)
 
     return local
@@ -208,24 +217,33 @@ def linear_local(coefficients: Callable[[list, Batch], Any], needs_norms: bool):
 def gathering_local(result, batch: Batch, with_examples: bool = False) -> Partial:
     """``local`` for order statistics: all ``g_i`` (zeroed where not included) and the mask;
     with ``with_examples`` also each example's loss and predictions (zeroed likewise)."""
-    rows = tf.cast(result.batch_size, result.norm_dtype)
-    if tf.get_static_value(rows) == 0:
+    rows = ops.cast(result.batch_size, result.norm_dtype)
+    if _static_value(result.batch_size) == 0:
         require_rows(rows, "gathering (median, trimmed_mean, custom)")
     squared = result.squared_norms()
     keep = finite_examples(result, squared, batch)
-    dropped = tf.reduce_sum(1.0 - tf.cast(keep, rows.dtype))
-    include = tf.logical_and(keep, batch.nonzero_weight)
+    dropped = ops.sum(1.0 - ops.cast(keep, rows.dtype))
+    include = ops.logical_and(keep, batch.nonzero_weight)
 
     def zero_excluded(t):
-        mask = tf.reshape(include, [-1] + [1] * (t.shape.rank - 1))
-        return tf.where(mask, t, tf.zeros_like(t))
+        return zero_rows(t, include)
 
     values = [zero_excluded(g) for g in result.gradients()]
     examples = None
     if with_examples:
         examples = {"losses": zero_excluded(result.losses),
-                    "predictions": tf.nest.map_structure(zero_excluded, result.predictions)}
-    return Partial(values, rows, tf.cast(include, rows.dtype), dropped, examples)
+                    "predictions": keras.tree.map_structure(zero_excluded, result.predictions)}
+    return Partial(values, rows, ops.cast(include, rows.dtype), dropped, examples)
+
+
+def _static_value(t) -> Any:
+    """``t``'s value when known while tracing (a Python int, a constant tensor), else ``None``."""
+    if isinstance(t, (int, float)):
+        return t
+    if backend.is_tensorflow():
+        import tensorflow as tf
+        return tf.get_static_value(t)
+    return None
 
 
 def require_rows(rows, name: str):
@@ -237,10 +255,17 @@ def require_rows(rows, name: str):
     message = (f"The {name} aggregator got an empty batch (0 examples); it has no value there. "
                "Skip empty batches, or for DP-SGD over Poisson batches pass "
                "expected_batch_size, which divides by the expected size instead.")
-    static = tf.get_static_value(rows)
+    static = _static_value(rows)
+    if static is None and backend.is_jax():
+        import jax
+        if not isinstance(rows, jax.core.Tracer):
+            static = float(rows)
     if static is not None:
         if float(static) <= 0:
             raise ValueError(message)
         return rows
+    if backend.is_jax():
+        return rows  # JAX shapes are static: the rows were counted from a static shape
+    import tensorflow as tf
     with tf.control_dependencies([tf.debugging.assert_positive(rows, message=message)]):
         return tf.identity(rows)

@@ -14,9 +14,11 @@ Keras); only examples with a non-finite loss are dropped.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
-import tensorflow as tf
+from keras import ops
 
+from pergrad.backend.ops import add_n
 from pergrad.engine import PerExampleResult
 
 
@@ -30,24 +32,24 @@ class Batch:
         loss_scaled: the gradients come from a loss-scaled backward pass (see module doc).
     """
 
-    nonzero_weight: tf.Tensor
+    nonzero_weight: Any
     loss_scaled: bool = False
 
     @staticmethod
     def of(result: PerExampleResult, sample_weight=None, loss_scaled: bool = False) -> Batch:
         if sample_weight is None:
-            nonzero = tf.ones([result.batch_size], tf.bool)
+            nonzero = ops.ones([result.batch_size], "bool")
         else:
-            w = tf.convert_to_tensor(sample_weight)
-            w = tf.reshape(w, [tf.shape(w)[0], -1])
-            nonzero = tf.reduce_any(tf.not_equal(w, tf.zeros([], w.dtype)), axis=1)
+            w = ops.convert_to_tensor(sample_weight)
+            w = ops.reshape(w, [ops.shape(w)[0], -1])
+            nonzero = ops.any(ops.not_equal(w, ops.zeros([], w.dtype)), axis=1)
         return Batch(nonzero, loss_scaled)
 
 
-def finite_examples(result: PerExampleResult, squared_norms: list, batch: Batch) -> tf.Tensor:
+def finite_examples(result: PerExampleResult, squared_norms: list, batch: Batch) -> Any:
     """``(B,)`` bool: the examples that are not dropped (see the module docstring)."""
-    finite_loss = tf.math.is_finite(result.losses)
+    finite_loss = ops.isfinite(result.losses)
     if batch.loss_scaled:
         return finite_loss
-    finite_grad = tf.math.is_finite(tf.add_n(squared_norms))
-    return tf.logical_and(finite_loss, finite_grad)
+    finite_grad = ops.isfinite(add_n(squared_norms))
+    return ops.logical_and(finite_loss, finite_grad)

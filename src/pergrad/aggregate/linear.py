@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import math
 
-import tensorflow as tf
+from keras import ops
 
 from pergrad.aggregate.base import (
     Aggregator,
@@ -22,7 +22,8 @@ from pergrad.aggregate.base import (
     register,
     require_rows,
 )
-from pergrad.aggregate.noise import NoiseSource, split
+from pergrad.aggregate.noise import NoiseSource, gaussian_noise
+from pergrad.backend.ops import add_n, dtype_of
 from pergrad.engine import clip_factors
 from pergrad.engine.arguments import integer, real
 
@@ -35,7 +36,7 @@ def _divide(partial: Partial, divisor=None, name: str = "mean") -> list:
     """``values / D``; ``D`` defaults to the number of rows, which must not be 0."""
     values = partial.values
     d = require_rows(partial.rows, name) if divisor is None else divisor
-    return [v / tf.cast(d, v.dtype) for v in values]
+    return [v / ops.cast(d, dtype_of(v)) for v in values]
 
 
 def _clip_coefficients(l2_norm_clip: float, per_layer: bool):
@@ -43,13 +44,13 @@ def _clip_coefficients(l2_norm_clip: float, per_layer: bool):
         if per_layer:
             clip = l2_norm_clip / math.sqrt(len(squared))
             return [_clip(s, clip) for s in squared]
-        return _clip(tf.add_n(squared), l2_norm_clip)
+        return _clip(add_n(squared), l2_norm_clip)
     return coefficients
 
 
-def _clip(squared: tf.Tensor, clip: float) -> tf.Tensor:
+def _clip(squared, clip: float):
     """``min(1, C / ||g_i||)`` (1 for a zero gradient)."""
-    return clip_factors(tf.sqrt(squared), clip)
+    return clip_factors(ops.sqrt(squared), clip)
 
 
 @register
@@ -111,10 +112,8 @@ def dp_mean(l2_norm_clip: float, noise_multiplier: float, seed: int | None = Non
     def finalize(partial: Partial, key) -> list:
         values = list(partial.values)
         if stddev > 0:
-            keys = split(key, len(values))
-            values = [v + tf.random.stateless_normal(tf.shape(v), keys[k], stddev=stddev,
-                                                     dtype=v.dtype)
-                      for k, v in enumerate(values)]
+            noises = gaussian_noise(key, values, stddev)
+            values = [v + n for v, n in zip(values, noises, strict=True)]
         return _divide(partial._replace(values=values), expected_batch_size, name="dp_mean")
 
     config = {"l2_norm_clip": clip, "noise_multiplier": sigma, "seed": seed,
@@ -130,7 +129,7 @@ def normalized_mean(gamma: float = 0.01) -> Aggregator:
     gamma = _check_positive("gamma", gamma)
 
     def coefficients(squared, batch):
-        return 1.0 / (tf.sqrt(tf.add_n(squared)) + gamma)
+        return 1.0 / (ops.sqrt(add_n(squared)) + gamma)
 
     return Aggregator("normalized_mean", {"gamma": gamma},
                       linear_local(coefficients, needs_norms=True),

@@ -23,12 +23,17 @@ from __future__ import annotations
 
 import random
 import weakref
+from typing import Any
 
-import tensorflow as tf
+import keras
+import numpy as np
+from keras import ops
+
+from pergrad import backend
 
 #: Shape and dtype of a noise key and of a stream's state.
 KEY_SHAPE = (2,)
-KEY_DTYPE = tf.int64
+KEY_DTYPE = "int64"
 
 
 def fresh_seed() -> int:
@@ -42,26 +47,85 @@ def initial_state(seed: int) -> list[int]:
     return [int(seed), 0]
 
 
-def next_key(state) -> tf.Tensor:
+def next_key(state) -> Any:
     """Read the key ``[seed, counter]`` held by ``state`` and advance its counter by one.
 
     ``state`` is a ``tf.Variable`` or Keras variable of shape ``(2,)`` and dtype ``int64``. The
     read happens before the increment (automatic control dependencies order them in a
-    ``tf.function``), so consecutive calls return ``[s, c]``, ``[s, c + 1]``, ...
+    ``tf.function``; on JAX the read is a value and the increment a new value the train step
+    writes back), so consecutive calls return ``[s, c]``, ``[s, c + 1]``, ...
     """
+    if backend.is_jax():
+        require_64_bit_keys()
+        key = ops.convert_to_tensor(state.value if isinstance(state, keras.Variable) else state)
+        state.assign(key + ops.convert_to_tensor(np.array([0, 1], np.int64)))
+        return key
+    import tensorflow as tf
     key = tf.identity(tf.convert_to_tensor(state))
     with tf.control_dependencies([key]):
         state.assign_add(tf.constant([0, 1], KEY_DTYPE))
     return key
 
 
-def split(key, num: int) -> tf.Tensor:
+def split(key, num: int) -> Any:
     """``num`` independent keys derived from ``key`` (``tf.random.experimental.stateless_split``),
-    one per variable of an update."""
+    one per variable of an update (TensorFlow)."""
+    import tensorflow as tf
     return tf.random.experimental.stateless_split(check_key(key), num=num)
 
 
-def check_key(key) -> tf.Tensor:
+def require_64_bit_keys() -> None:
+    """Noise keys hold a 62-bit seed and a 64-bit counter; JAX has 64-bit integers only with
+    ``jax_enable_x64`` (without it they would be truncated to 32 bits, and two streams could
+    share keys)."""
+    import jax
+    if not jax.config.jax_enable_x64:
+        raise ValueError(
+            "DP noise on the JAX backend needs 64-bit integer keys: call "
+            "jax.config.update('jax_enable_x64', True) at the start of the program, before any "
+            "array or model is made (without it a key's 62-bit seed would be truncated).")
+
+
+def gaussian_noise(key, values: list, stddev: float) -> list:
+    """``N(0, stddev^2 I)`` shaped like each of ``values``, one independent draw per tensor,
+    all derived from the one ``key`` (stateless: the same key gives the same numbers).
+
+    TensorFlow: ``stateless_normal`` with keys from ``stateless_split``. JAX: a threefry key
+    folded from the 62-bit seed and the 64-bit counter, split per tensor. Inside a JAX trace
+    the key must be traced too: a key that is a constant of the trace would be the same at
+    every call of the compiled function, i.e. the same noise at every step."""
+    if backend.is_jax():
+        return _jax_gaussian_noise(key, values, stddev)
+    import tensorflow as tf
+    keys = split(key, len(values))
+    return [tf.random.stateless_normal(tf.shape(v), keys[k], stddev=stddev, dtype=v.dtype)
+            for k, v in enumerate(values)]
+
+
+def _jax_gaussian_noise(key, values: list, stddev: float) -> list:
+    import jax
+    import jax.numpy as jnp
+
+    require_64_bit_keys()
+    key = check_key(key)
+    traced = any(isinstance(v, jax.core.Tracer) for v in values)
+    if traced and not isinstance(key, jax.core.Tracer):
+        raise ValueError(
+            "The noise key is a constant of this compiled function: every call would draw the "
+            "same noise. Pass the key as an argument of the jitted function (draw it outside, "
+            "from pergrad.aggregate.NoiseStream(seed).next_key(), once per step), or train with "
+            "PerExampleModel, whose train step draws it from the model's saved stream.")
+    seed, counter = key[0], key[1]
+    words = [(seed >> 32) & 0xFFFFFFFF, seed & 0xFFFFFFFF, (counter >> 32) & 0xFFFFFFFF,
+             counter & 0xFFFFFFFF]
+    words = [jnp.asarray(w).astype(jnp.uint32) for w in words]
+    base = jax.random.wrap_key_data(jnp.stack(words[:2]), impl="threefry2x32")
+    base = jax.random.fold_in(jax.random.fold_in(base, words[2]), words[3])
+    keys = jax.random.split(base, len(values))
+    return [stddev * jax.random.normal(keys[k], v.shape, v.dtype) for k, v in enumerate(values)]
+
+
+def check_key(key) -> Any:
     """``key`` as an ``int64`` tensor of shape ``(2,)``, or a ``ValueError`` saying what a key is."""
     if key is None:
         raise ValueError(
@@ -69,15 +133,16 @@ def check_key(key) -> tf.Tensor:
             "[seed, counter] that is never reused. Call the aggregator itself (agg(result)), "
             "which draws from its own stream, or draw keys with "
             "pergrad.aggregate.NoiseStream(seed).next_key().")
-    if isinstance(key, (bool, int, float)) or (tf.is_tensor(key) and key.shape.rank == 0):
+    if isinstance(key, (bool, int, float)) or (hasattr(key, "shape") and len(key.shape) == 0):
         raise ValueError(
             f"A noise key is an int64 tensor [seed, counter], not a step number ({key!r}): "
             "a step count restarts (a new optimizer, a new model) and would repeat the noise. "
             "Draw keys with pergrad.aggregate.NoiseStream(seed).next_key().")
-    key = tf.convert_to_tensor(key)
-    if not key.dtype.is_integer or tuple(key.shape) != KEY_SHAPE:
+    key = ops.convert_to_tensor(key)
+    dtype = keras.backend.standardize_dtype(key.dtype)
+    if not dtype.startswith(("int", "uint")) or tuple(key.shape) != KEY_SHAPE:
         raise ValueError(f"A noise key is an integer tensor of shape (2,), got {key!r}.")
-    return tf.cast(key, KEY_DTYPE)
+    return ops.cast(key, KEY_DTYPE)
 
 
 class NoiseStream:
@@ -86,26 +151,40 @@ class NoiseStream:
     Args:
         seed: the stream's seed; ``None`` draws one from the operating system.
 
-    ``next_key()`` works eagerly and inside ``tf.function`` (the variable is created outside
-    any function graph on first use). Not for ``tf.distribute`` replica functions: there the
-    model's own stream (a mirrored variable) is used.
+    TensorFlow: ``next_key()`` works eagerly and inside ``tf.function`` (the variable is
+    created outside any function graph on first use). Not for ``tf.distribute`` replica
+    functions: there the model's own stream (a mirrored variable) is used. JAX: the state is a
+    host-side counter; call ``next_key()`` outside ``jax.jit`` and pass the key into the
+    compiled step as an argument (a key drawn while tracing would be a constant of the trace,
+    which :func:`gaussian_noise` refuses).
     """
 
     def __init__(self, seed: int | None = None) -> None:
         self.seed = fresh_seed() if seed is None else int(seed)
-        self._state: tf.Variable | None = None
+        self._state: Any = None
 
     @property
-    def state(self) -> tf.Variable:
-        """The variable ``[seed, counter]`` (created on first access)."""
+    def state(self) -> Any:
+        """The ``[seed, counter]`` state: a ``tf.Variable`` on TensorFlow, a NumPy array on
+        JAX (created on first access)."""
         if self._state is None:
-            with tf.init_scope():
-                self._state = tf.Variable(initial_state(self.seed), dtype=KEY_DTYPE,
-                                          trainable=False, name="noise_state")
+            if backend.is_jax():
+                self._state = np.array(initial_state(self.seed), np.int64)
+            else:
+                import tensorflow as tf
+                with tf.init_scope():
+                    self._state = tf.Variable(initial_state(self.seed), dtype=KEY_DTYPE,
+                                              trainable=False, name="noise_state")
         return self._state
 
-    def next_key(self) -> tf.Tensor:
+    def next_key(self) -> Any:
         """The next key ``[seed, counter]``; the counter advances."""
+        if backend.is_jax():
+            require_64_bit_keys()
+            state = self.state
+            key = ops.convert_to_tensor(state.copy())
+            state[1] += 1
+            return key
         return next_key(self.state)
 
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import inspect
 import math
 
-import tensorflow as tf
+from keras import ops
 
 from pergrad.aggregate.base import (
     Aggregator,
@@ -20,17 +20,18 @@ from pergrad.aggregate.base import (
     register,
     require_rows,
 )
+from pergrad.backend.ops import add_n, dtype_of, rank, wide_float
 from pergrad.engine.arguments import real
 
 
-def _sorted_included(v: tf.Tensor, include: tf.Tensor) -> tf.Tensor:
+def _sorted_included(v, include):
     """``v`` sorted along the examples axis, excluded rows moved to the end (as ``+inf``)."""
-    mask = tf.reshape(include > 0, [-1] + [1] * (v.shape.rank - 1))
-    return tf.sort(tf.where(mask, v, tf.fill(tf.shape(v), tf.constant(math.inf, v.dtype))), axis=0)
+    mask = ops.reshape(include > 0, [-1] + [1] * (rank(v) - 1))
+    return ops.sort(ops.where(mask, v, ops.full_like(v, math.inf)), axis=0)
 
 
-def _count(include: tf.Tensor) -> tf.Tensor:
-    return tf.cast(tf.reduce_sum(include), tf.int32)
+def _count(include):
+    return ops.cast(ops.sum(include), "int32")
 
 
 @register
@@ -42,12 +43,12 @@ def median() -> Aggregator:
     def finalize(partial: Partial, key) -> list:
         require_rows(partial.rows, "median")
         n = _count(partial.include)
-        lo, hi = tf.maximum((n - 1) // 2, 0), tf.maximum(n // 2, 0)
+        lo, hi = ops.maximum((n - 1) // 2, 0), ops.maximum(n // 2, 0)
         out = []
         for v in partial.values:
             s = _sorted_included(v, partial.include)
-            m = 0.5 * (tf.gather(s, lo) + tf.gather(s, hi))
-            out.append(tf.where(n > 0, m, tf.zeros_like(m)))
+            m = 0.5 * (ops.take(s, lo, axis=0) + ops.take(s, hi, axis=0))
+            out.append(ops.where(n > 0, m, ops.zeros_like(m)))
         return out
 
     return Aggregator("median", {}, gathering_local, finalize, gathers=True)
@@ -64,14 +65,15 @@ def trimmed_mean(fraction: float) -> Aggregator:
     def finalize(partial: Partial, key) -> list:
         require_rows(partial.rows, "trimmed_mean")
         n = _count(partial.include)
-        k = tf.cast(tf.floor(fraction * tf.cast(n, tf.float64)), tf.int32)
+        k = ops.cast(ops.floor(fraction * ops.cast(n, wide_float())), "int32")
         out = []
         for v in partial.values:
             s = _sorted_included(v, partial.include)
-            position = tf.reshape(tf.range(tf.shape(v)[0]), [-1] + [1] * (v.shape.rank - 1))
-            window = tf.logical_and(position >= k, position < n - k)
-            total = tf.reduce_sum(tf.where(window, s, tf.zeros_like(s)), axis=0)
-            out.append(total / tf.cast(tf.maximum(n - 2 * k, 1), v.dtype))
+            position = ops.reshape(ops.arange(ops.shape(v)[0], dtype="int32"),
+                                   [-1] + [1] * (rank(v) - 1))
+            window = ops.logical_and(position >= k, position < n - k)
+            total = ops.sum(ops.where(window, s, ops.zeros_like(s)), axis=0)
+            out.append(total / ops.cast(ops.maximum(n - 2 * k, 1), dtype_of(v)))
         return out
 
     return Aggregator("trimmed_mean", {"fraction": fraction}, gathering_local, finalize,
@@ -102,9 +104,9 @@ def custom(fn) -> Aggregator:
 
     def finalize(partial: Partial, key) -> list:
         values = list(partial.values)
-        dtype = tf.float64 if any(v.dtype == tf.float64 for v in values) else tf.float32
-        norms = tf.sqrt(tf.add_n([
-            tf.reduce_sum(tf.square(tf.reshape(tf.cast(v, dtype), [tf.shape(v)[0], -1])), axis=1)
+        dtype = "float64" if any(dtype_of(v) == "float64" for v in values) else "float32"
+        norms = ops.sqrt(add_n([
+            ops.sum(ops.square(ops.reshape(ops.cast(v, dtype), [ops.shape(v)[0], -1])), axis=1)
             for v in values]))
         extras = {name: partial.examples[name] for name in wanted}
         out = fn(values, norms, **extras)
@@ -115,12 +117,12 @@ def custom(fn) -> Aggregator:
                              "one gradient per variable, aligned with model.trainable_variables.")
         checked = []
         for k, (g, v) in enumerate(zip(out, values, strict=True)):
-            g = tf.convert_to_tensor(g)
+            g = ops.convert_to_tensor(g)
             if tuple(g.shape) != tuple(v.shape[1:]):
                 raise ValueError(f"The custom aggregator {getattr(fn, '__name__', fn)!r} returned "
                                  f"shape {tuple(g.shape)} for variable {k}, expected "
                                  f"{tuple(v.shape[1:])} (the variable's shape).")
-            checked.append(tf.cast(g, v.dtype))
+            checked.append(ops.cast(g, dtype_of(v)))
         return checked
 
     def local(result, batch) -> Partial:

@@ -91,3 +91,12 @@ def zero_rows(t: Any, keep: Any) -> Any:
 
 def is_floating(dtype: Any) -> bool:
     return keras.backend.is_float_dtype(keras.backend.standardize_dtype(dtype))
+
+
+def wide_float() -> str:
+    """float64 where the backend computes in it: always on TensorFlow, on JAX only with
+    ``jax_enable_x64`` (else float32)."""
+    if is_jax():
+        import jax
+        return "float64" if jax.config.jax_enable_x64 else "float32"
+    return "float64"

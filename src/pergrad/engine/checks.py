@@ -28,6 +28,7 @@ from keras import ops
 
 from pergrad import backend
 from pergrad._compat import sublayers
+from pergrad.backend.ops import wide_float
 from pergrad.rules.normalization import MixesExamplesError
 
 # Unit roundoff u = 2^-p of each floating dtype (p significand bits, the implicit one included).
@@ -150,7 +151,7 @@ def mixing_differences(model, loss_fn, x, y, num_examples: int):
     and out of the batch for ``k < n = num_examples``; with fewer examples than that, the last
     one is repeated. Traceable (a ``tf.function``, a ``tf.cond`` branch): ``num_examples`` model
     calls on one example each, unrolled, no loop."""
-    wide = _wide_float()
+    wide = wide_float()
     in_batch = ops.cast(loss_fn(y, model(x, training=False)), wide)
     size = ops.shape(in_batch)[0]
     finite = ops.isfinite(in_batch)
@@ -165,13 +166,6 @@ def mixing_differences(model, loss_fn, x, y, num_examples: int):
         differences.append(_relative(ops.take(in_batch, index, axis=0), alone, floor))
     return ops.concatenate(differences, axis=0)
 
-
-def _wide_float() -> str:
-    """float64, where the backend computes in it (JAX only with ``jax_enable_x64``)."""
-    if backend.is_jax():
-        import jax
-        return "float64" if jax.config.jax_enable_x64 else "float32"
-    return "float64"
 
 
 def mixing_error(example: int, difference: float) -> MixesExamplesError:

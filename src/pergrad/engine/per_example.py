@@ -11,6 +11,7 @@ import numpy as np
 from keras import ops
 
 from pergrad import backend
+from pergrad.backend.ops import wide_float
 from pergrad.engine.arguments import positive_integer, positive_real
 from pergrad.engine.checks import (
     compute_dtype,
@@ -311,10 +312,7 @@ def _raise_if_not_summing(variables: list, summed: list, batch: list, rtol: floa
 
 def _wide_scalar(value: float) -> Any:
     """``value`` as a float64 scalar tensor (float32 on JAX without ``jax_enable_x64``)."""
-    if backend.is_jax():
-        import jax
-        return ops.convert_to_tensor(value, "float64" if jax.config.jax_enable_x64 else "float32")
-    return ops.convert_to_tensor(value, "float64")
+    return ops.convert_to_tensor(value, wide_float())
 
 
 def _tracing() -> bool:
