@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import keras
 import numpy as np
+import pytest
 import tensorflow as tf
 
 from pergrad import _compat
@@ -85,3 +86,17 @@ def test_backing_variable_graph_and_untracked_attributes():
     assert "call" not in layer.__dict__
     meta = _compat.summary_metadata("scalars")
     assert meta.plugin_data.plugin_name == "scalars"
+
+
+@pytest.mark.all_backends
+def test_held_value_and_autocast_scope():
+    v = keras.Variable(np.arange(3, dtype="float32"))
+    np.testing.assert_array_equal(np.asarray(_compat.held_value(v)), [0, 1, 2])
+    mixed = L.Dense(2, dtype="mixed_float16")
+    mixed.build((None, 3))
+    with _compat.autocast_scope(mixed):
+        assert keras.backend.standardize_dtype(mixed.kernel.value.dtype) == "float16"
+    plain = L.Dense(2)
+    plain.build((None, 3))
+    with _compat.autocast_scope(plain):
+        assert keras.backend.standardize_dtype(plain.kernel.value.dtype) == "float32"

@@ -11,6 +11,8 @@ import pergrad
 from pergrad import aggregate
 from pergrad.keras import INDEX_KEY, PerExampleModel
 
+BOTH = pytest.mark.all_backends  # also on JAX (KERAS_BACKEND=jax)
+
 
 def _mlp(regularizer=None, outputs=3):
     return keras.Sequential([
@@ -33,6 +35,7 @@ def _assert_weights_close(a, b, rtol=1e-5):
 
 # -- closed form ------------------------------------------------------------------------------------
 
+@BOTH
 @pytest.mark.parametrize("clip", [10.0, 40.0, 200.0])
 def test_closed_form_clip_without_bias(clip):
     """Dense(1, use_bias=False) at 0, x=[3, 4], y=15, MSE: g = -2*15*[3, 4] = -[90, 120],
@@ -46,6 +49,7 @@ def test_closed_form_clip_without_bias(clip):
     np.testing.assert_allclose(inner.get_weights()[0].ravel(), expected, rtol=1e-6)
 
 
+@BOTH
 @pytest.mark.parametrize("clip", [10.0, 40.0, 200.0])
 def test_closed_form_clip_with_bias(clip):
     """With a bias: g = -30*[3, 4, 1], ||g|| = 30 sqrt(26) = 152.97 (the issue's "153"); the step
@@ -62,6 +66,7 @@ def test_closed_form_clip_with_bias(clip):
 
 # -- equality with plain Keras ----------------------------------------------------------------------
 
+@BOTH
 @pytest.mark.parametrize("optimizer", ["sgd", "adam"])
 def test_mean_training_equals_plain_keras(rng, optimizer):
     x = rng.normal(size=(40, 6)).astype("float32")
@@ -86,6 +91,7 @@ def test_mean_training_equals_plain_keras(rng, optimizer):
                                rtol=1e-5, atol=1e-6)
 
 
+@BOTH
 def test_class_weight_equals_plain_keras(rng):
     x = rng.normal(size=(32, 6)).astype("float32")
     y = rng.integers(0, 3, size=32)
@@ -100,6 +106,7 @@ def test_class_weight_equals_plain_keras(rng):
     _assert_weights_close(inner, plain)
 
 
+@BOTH
 def test_multi_output_dict_losses_equal_plain_keras(rng):
     inputs = keras.Input((6,), name="x")
     hidden = keras.layers.Dense(5, activation="relu")(inputs)
@@ -118,6 +125,7 @@ def test_multi_output_dict_losses_equal_plain_keras(rng):
     _assert_weights_close(inner, plain)
 
 
+@BOTH
 def test_sequence_output_loss_is_averaged_like_keras(rng):
     """Outputs (B, T, C): Keras averages the loss over T too; so must the per-example loss."""
     inner = keras.Sequential([keras.Input((4, 3)), keras.layers.Dense(2)])
@@ -133,6 +141,7 @@ def test_sequence_output_loss_is_averaged_like_keras(rng):
 
 # -- Keras surface ----------------------------------------------------------------------------------
 
+@BOTH
 def test_keras_surface_and_inner_model(rng):
     inner = _mlp()
     model = PerExampleModel(inner, aggregate.clip_mean(1.0))
@@ -149,6 +158,7 @@ def test_keras_surface_and_inner_model(rng):
     assert any("sequential" in line.lower() for line in lines)
 
 
+@BOTH
 def test_save_load_round_trip(rng, tmp_path):
     inner = _mlp()
     model = PerExampleModel(inner, aggregate.dp_mean(1.0, 0.5, seed=3, expected_batch_size=10))
@@ -224,6 +234,7 @@ def test_monitor_norms_match_engine(rng):
 
 # -- NaN handling -----------------------------------------------------------------------------------
 
+@BOTH
 def test_nan_example_is_dropped_and_counted(rng):
     x = rng.normal(size=(16, 6)).astype("float32")
     y = rng.normal(size=(16, 3)).astype("float32")
@@ -247,6 +258,7 @@ def test_nan_example_is_dropped_and_counted(rng):
 
 # -- bad input --------------------------------------------------------------------------------------
 
+@BOTH
 def test_scalar_loss_is_refused_before_training(rng):
     inner = _mlp()
     before = inner.get_weights()
@@ -258,6 +270,7 @@ def test_scalar_loss_is_refused_before_training(rng):
         np.testing.assert_array_equal(a, b)
 
 
+@BOTH
 def test_batch_norm_in_training_mode_is_refused(rng):
     inner = keras.Sequential([keras.Input((6,)), keras.layers.Dense(4),
                               keras.layers.BatchNormalization(name="bn_here"),
@@ -271,6 +284,7 @@ def test_batch_norm_in_training_mode_is_refused(rng):
         np.testing.assert_array_equal(a, b)
 
 
+@BOTH
 def test_aggregator_with_wrong_shapes_is_refused(rng):
     model = PerExampleModel(_mlp(), aggregate.custom(lambda grads, norms: [g[0] for g in grads[:2]]))
     model.compile(optimizer="sgd", loss="mse")
@@ -278,6 +292,7 @@ def test_aggregator_with_wrong_shapes_is_refused(rng):
         model.fit(rng.normal(size=(8, 6)), rng.normal(size=(8, 3)), verbose=0)
 
 
+@BOTH
 def test_activity_regularizer_is_refused(rng):
     inner = keras.Sequential([keras.Input((6,)),
                               keras.layers.Dense(3, activity_regularizer="l2")])
@@ -287,6 +302,7 @@ def test_activity_regularizer_is_refused(rng):
         model.fit(rng.normal(size=(8, 6)), rng.normal(size=(8, 3)), verbose=0)
 
 
+@BOTH
 def test_missing_and_ambiguous_losses():
     model = PerExampleModel(_mlp())
     with pytest.raises(ValueError, match="needs a loss"):

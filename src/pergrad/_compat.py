@@ -100,3 +100,9 @@ def autocast_scope(layer: Any) -> Any:
             or not keras.backend.is_float_dtype(compute):
         return contextlib.nullcontext()
     return AutocastScope(compute)
+
+
+def held_value(variable: Any) -> Any:
+    """The value a Keras variable holds, or ``None`` while Keras's JAX ``fit`` has moved it
+    into its compiled loop (``Variable._value``; ``variable.value`` would fail then)."""
+    return getattr(variable, "_value", None)

@@ -46,7 +46,8 @@ class _Scope:
     """A ``keras.StatelessScope`` over given values that can tell which variables were written."""
 
     def __init__(self, variables: list, values: list) -> None:
-        self.scope = keras.StatelessScope(state_mapping=list(zip(variables, values, strict=True)))
+        self.scope = keras.StatelessScope(state_mapping=list(zip(variables, values, strict=True)),
+                                          collect_losses=True)
         self.initial = dict(self.scope.state_mapping)
 
     def written(self, variables: list) -> list:
@@ -111,6 +112,7 @@ class _Pass:
                 self.predictions = model(x, training=training)
             self.losses = weighted_losses(loss_fn(y, self.predictions), sample_weight)
             self.writes = scope.written(variables)
+            self.call_losses = list(scope.scope.losses)  # add_loss, activity regularizers
 
     def tapped(self) -> list:
         return [t for record in self.order for t in _floating_leaves(record.tapped)]
@@ -144,6 +146,8 @@ def run_auto(model, plan: Plan, loss_fn, x, y, sample_weight, training: bool,
 
     # Shapes only: XLA removes this pass, and its variable writes are dropped with its scope.
     probe = _Pass(model, plan, loss_fn, x, y, sample_weight, training, values, None)
+    for loss in probe.call_losses:  # to the caller's scope, as the forward pass would add them
+        model.add_loss(loss)
     zeros = [jnp.zeros(t.shape, t.dtype) for t in probe.tapped()]
     layouts = [_record_parts(r)[1:] for r in probe.order]
 

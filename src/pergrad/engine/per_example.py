@@ -240,7 +240,7 @@ class PerExample:
             del w  # losses are compared unweighted
             return ops.max(mixing_differences(self.model, self._loss_fn, x, y, num_examples))
 
-        if _tracing():
+        if _tracing(x):
             return body(x, y, sample_weight)
         return self.compiled(f"example_mixing/{num_examples}", body)(x, y, sample_weight)
 
@@ -315,13 +315,14 @@ def _wide_scalar(value: float) -> Any:
     return ops.convert_to_tensor(value, wide_float())
 
 
-def _tracing() -> bool:
-    """Whether this runs inside a TensorFlow graph being traced (JAX methods always compile:
-    a compiled function may be called inside another's trace)."""
+def _tracing(x) -> bool:
+    """Whether this runs inside a trace: a TensorFlow graph being built, or ``x`` a JAX tracer
+    (a compiled train step calling the check on its batch)."""
     if backend.is_tensorflow():
         import tensorflow as tf
         return not tf.executing_eagerly()
-    return False
+    import jax
+    return isinstance(keras.tree.flatten(x)[0], jax.core.Tracer)
 
 
 def finite_clipped_sum(result: PerExampleResult, l2_norm_clip) -> tuple[list, Any]:

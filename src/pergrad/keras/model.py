@@ -25,11 +25,12 @@ from typing import Any
 
 import keras
 import tensorflow as tf
+from keras import ops
 
 from pergrad import aggregate
-from pergrad._compat import compiled_loss, loss_tracker
+from pergrad._compat import compiled_loss, held_value, loss_tracker
 from pergrad.aggregate import noise
-from pergrad.backend import require_tensorflow
+from pergrad.backend import is_tensorflow, require_supported
 from pergrad.engine import PerExample, compute_dtype, mixing_tolerance
 from pergrad.rules.normalization import MixesExamplesError
 from pergrad.stats.scores import loss_from_logits
@@ -43,8 +44,8 @@ It is removed from ``x`` before the model is called and handed to the monitor as
 _MEAN_REDUCTIONS = ("sum_over_batch_size", "mean", "none", None)
 
 
-def _floatx_dtype(dtype) -> tf.DType:
-    return tf.as_dtype(keras.config.floatx() if dtype is None else dtype)
+def _floatx_dtype(dtype) -> str:
+    return keras.backend.standardize_dtype(keras.config.floatx() if dtype is None else dtype)
 
 
 def _scalar_loss_error(name: str) -> ValueError:
@@ -81,13 +82,13 @@ def _leaf_loss(loss) -> Any:
     def per_example(y_true, y_pred):
         # As keras.losses.Loss.__call__: both converted to the loss dtype (float32 under mixed
         # precision), then the unreduced values averaged over all but the batch axis.
-        y_pred = tf.cast(y_pred, dtype)
-        y_true = tf.cast(y_true, dtype)
-        values = tf.convert_to_tensor(fn(y_true, y_pred))
-        if values.shape.rank == 0:
+        y_pred = ops.cast(y_pred, dtype)
+        y_true = ops.cast(y_true, dtype)
+        values = ops.convert_to_tensor(fn(y_true, y_pred))
+        if len(values.shape) == 0:
             raise _scalar_loss_error(name)
-        if values.shape.rank > 1:
-            values = tf.reduce_mean(values, axis=list(range(1, values.shape.rank)))
+        if len(values.shape) > 1:
+            values = ops.mean(values, axis=list(range(1, len(values.shape))))
         return values
 
     return per_example
@@ -96,7 +97,7 @@ def _leaf_loss(loss) -> Any:
 def _weighted_leaf(loss, weight):
     leaf = _leaf_loss(loss)
     if leaf is None:  # no loss for this output
-        return lambda y_true, y_pred: tf.zeros([tf.shape(y_pred)[0]], keras.config.floatx())
+        return lambda y_true, y_pred: ops.zeros([ops.shape(y_pred)[0]], keras.config.floatx())
     if weight is None or float(weight) == 1.0:
         return leaf
     return lambda y_true, y_pred: leaf(y_true, y_pred) * float(weight)
@@ -130,7 +131,7 @@ def compiled_per_example_loss(loss, loss_weights, output_names, dict_outputs: bo
         return [_weighted_leaf(lo, w) for lo, w in zip(loss, weights, strict=True)], None
     weight = loss_weights
     if isinstance(weight, (list, tuple, dict)):
-        weight = tf.nest.flatten(weight)[0]
+        weight = keras.tree.flatten(weight)[0]
     return _weighted_leaf(loss, weight), None
 
 
@@ -171,8 +172,8 @@ class _RecordingScope(keras.StatelessScope):
     every write (the model's, a custom loss's, Keras's global seed generator's) is applied or
     refused after the forward pass, never silently dropped."""
 
-    def __init__(self) -> None:
-        super().__init__(collect_losses=True)
+    def __init__(self, state_mapping=None) -> None:
+        super().__init__(state_mapping=state_mapping, collect_losses=True)
         self.written: dict[int, Any] = {}
 
     def add_update(self, update) -> None:
@@ -243,7 +244,12 @@ class PerExampleModel(keras.Model):
     def __init__(self, model: keras.Model, aggregator: aggregate.Aggregator | dict | None = None,
                  monitor: Any = None, check_example_mixing: bool = True,
                  allow_state_updates: bool = False, **kwargs) -> None:
-        require_tensorflow("pergrad.keras.PerExampleModel")
+        require_supported("pergrad.keras.PerExampleModel")
+        if monitor is not None and not is_tensorflow():
+            raise NotImplementedError(
+                "A monitor on PerExampleModel runs on the TensorFlow backend only in this "
+                "release (pergrad.keras.GradientMonitor is TensorFlow code); see "
+                "docs/backends.md.")
         super().__init__(**kwargs)
         if not isinstance(model, keras.layers.Layer):
             raise TypeError(f"model must be a Keras model, got {type(model).__name__}.")
@@ -261,6 +267,8 @@ class PerExampleModel(keras.Model):
         self._loss_scale = None
         self.noise_state = None
         if self.aggregator.noisy:
+            if not is_tensorflow():
+                noise.require_64_bit_keys()
             seed = self.aggregator.noise.claim(self, self.aggregator.name)
             self.noise_state = self.add_weight(
                 shape=noise.KEY_SHAPE, dtype="int64", trainable=False, name="noise_state",
@@ -273,10 +281,16 @@ class PerExampleModel(keras.Model):
                     "noise-free per-example gradients: they are not differentially private. Use "
                     "them for debugging only; do not release them.", stacklevel=2)
         self._mixing_checked = None
+        self.mixing_status = None  # JAX: 0 unchecked, 1 checked, 2 refused (see jax_step)
         if self.check_example_mixing and self.aggregator.clips:
-            self._mixing_checked = tf.Variable(
-                False, trainable=False, name="example_mixing_checked",
-                aggregation=tf.VariableAggregation.ONLY_FIRST_REPLICA)
+            if is_tensorflow():
+                self._mixing_checked = tf.Variable(
+                    False, trainable=False, name="example_mixing_checked",
+                    aggregation=tf.VariableAggregation.ONLY_FIRST_REPLICA)
+            else:
+                self.mixing_status = self.add_weight(
+                    shape=(), dtype="int32", trainable=False, name="example_mixing_status",
+                    initializer="zeros")
         if model.built:
             self.built = True
 
@@ -302,6 +316,8 @@ class PerExampleModel(keras.Model):
             loss, loss_weights, output_names, dict_outputs)
         self._from_logits = loss_from_logits(loss)
         self._per_example = None
+        if self.mixing_status is not None:
+            self.mixing_status.assign(0)  # a new loss may mix examples: check it again
         if self._mixing_checked is not None:
             self._mixing_checked.assign(False)  # a new loss may mix examples: check it again
             if self.jit_compile:
@@ -320,6 +336,8 @@ class PerExampleModel(keras.Model):
             self.optimizer.build(self.trainable_variables)
 
     def fit(self, *args, **kwargs):
+        if not is_tensorflow():
+            return self._fit_jax(*args, **kwargs)
         if isinstance(self.distribute_strategy, tf.distribute.MultiWorkerMirroredStrategy) \
                 and self.distribute_strategy.num_replicas_in_sync > 1:
             raise ValueError(
@@ -338,8 +356,25 @@ class PerExampleModel(keras.Model):
             return super().fit(*args, **kwargs)
 
     def train_on_batch(self, *args, **kwargs):
+        if not is_tensorflow():
+            return_dict = kwargs.pop("return_dict", False)
+            with _values_restored_on_error(self):
+                logs = dict(super().train_on_batch(*args, return_dict=True, **kwargs))
+            _raise_if_refused(logs)
+            return logs if return_dict else self._flatten_metrics_in_order(logs)
         with _mixing_errors():
             return super().train_on_batch(*args, **kwargs)
+
+    def _fit_jax(self, *args, **kwargs):
+        """``fit`` on JAX, with the callback that turns a refused first step into
+        :class:`MixesExamplesError` (see :mod:`pergrad.keras.jax_step`)."""
+        if self.mixing_status is not None:
+            bound = inspect.signature(keras.Model.fit).bind_partial(self, *args, **kwargs)
+            callbacks = list(bound.arguments.get("callbacks") or [])
+            bound.arguments["callbacks"] = [_MixingRefusal(), *callbacks]
+            args, kwargs = bound.args[1:], bound.kwargs
+        with _values_restored_on_error(self):
+            return super().fit(*args, **kwargs)
 
     def get_config(self) -> dict:
         return {
@@ -370,10 +405,10 @@ class PerExampleModel(keras.Model):
                     values = leaf(y_true, y_pred)
                     if self._loss_scale is None:
                         return values
-                    return values * tf.cast(self._loss_scale, values.dtype)
+                    return values * ops.cast(self._loss_scale, values.dtype)
                 return scaled
 
-            loss = tf.nest.map_structure(with_scale, self._per_example_loss)
+            loss = keras.tree.map_structure(with_scale, self._per_example_loss)
             self._per_example = PerExample(self.model, loss, training=True)
         return self._per_example
 
@@ -405,7 +440,15 @@ class PerExampleModel(keras.Model):
                 "computed from the whole batch, so PerExampleModel cannot split them into "
                 "per-example gradients; remove them or fold them into the per-example loss.")
 
-    def train_step(self, data):
+    def train_step(self, *args):
+        """One step: ``train_step(data) -> logs`` on TensorFlow; on JAX Keras's functional
+        ``train_step(state, data) -> (logs, state)`` (:mod:`pergrad.keras.jax_step`)."""
+        if not is_tensorflow():
+            from pergrad.keras import jax_step
+            return jax_step.train_step(self, *args)
+        return self._tensorflow_train_step(*args)
+
+    def _tensorflow_train_step(self, data):
         x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
         x, indices = _split_indices(x)
         if isinstance(sample_weight, (dict, list, tuple)):
@@ -546,6 +589,57 @@ class PerExampleModel(keras.Model):
         counted = tf.reduce_any(tf.reshape(tf.not_equal(weight, 0), [batch, -1]), axis=1)
         return self.compute_metrics(x, _keep_rows(y, counted), _keep_rows(y_pred, counted),
                                     sample_weight=_keep_rows(weight, counted))
+
+
+class _values_restored_on_error:
+    """JAX's ``fit`` moves every variable's value into its compiled loop and clears the
+    variables until the loop ends. An error raised inside (a refused step, a loss that returns
+    a scalar) would leave the model without weights: put the values from before back."""
+
+    def __init__(self, model) -> None:
+        self.model = model
+
+    def __enter__(self):
+        model = self.model
+        self.variables = list(model.variables)
+        if getattr(model, "optimizer", None) is not None:
+            self.variables += list(model.optimizer.variables)
+        self.variables += list(model.metrics_variables)
+        self.values = [held_value(v) for v in self.variables]
+        return self
+
+    def __exit__(self, kind, error, traceback) -> bool:
+        if error is not None:
+            for variable, value in zip(self.variables, self.values, strict=True):
+                if value is not None and held_value(variable) is None:
+                    variable.assign(value)
+        return False
+
+
+def _raise_if_refused(logs: dict) -> None:
+    """Pop the JAX step's mixing status from ``logs``; raise if the step was refused."""
+    status = logs.pop("example_mixing_status", None)
+    if status is not None and int(status) == 2:
+        raise MixesExamplesError(
+            "The first training batch failed the example-mixing check: an example's loss "
+            "differs between being computed inside the batch and alone, so a layer or the loss "
+            "mixes examples (a mean over the batch axis, BatchNormalization in training mode, a "
+            "batch-dependent loss). Clipping and DP noise would not bound one example's "
+            "influence, and no step was applied. Remove the mixing, or pass "
+            "check_example_mixing=False to PerExampleModel if you have accounted for it.")
+
+
+class _MixingRefusal(keras.callbacks.Callback):
+    """Raises :class:`MixesExamplesError` after a refused JAX step (and keeps the status out of
+    the progress bar and the history)."""
+
+    def on_train_batch_end(self, batch, logs=None) -> None:
+        if logs is not None:
+            _raise_if_refused(logs)
+
+    def on_epoch_end(self, epoch, logs=None) -> None:
+        if logs is not None:
+            _raise_if_refused(logs)
 
 
 class _mixing_errors:

@@ -1,0 +1,133 @@
+"""``PerExampleModel`` DP training on every backend: the update against the float64 oracle,
+noise of the right size that never repeats, the mixing refusal that changes no state, a noise
+stream that survives save and load, and writes from the batch refused under DP."""
+
+from __future__ import annotations
+
+import keras
+import numpy as np
+import pytest
+from oracle import keras_loss, loop_gradients
+
+import pergrad
+from pergrad import aggregate
+from pergrad.keras import PerExampleModel
+
+pytestmark = pytest.mark.all_backends
+MSE = keras.losses.MeanSquaredError()
+
+
+def _mlp(width=16):
+    keras.utils.set_random_seed(0)
+    return keras.Sequential([keras.Input((6,)), keras.layers.Dense(width, activation="tanh"),
+                             keras.layers.Dense(3)])
+
+
+def _data(rng, n=8):
+    return rng.normal(size=(n, 6)), rng.normal(size=(n, 3))
+
+
+def _clipped_mean(model, x, y, clip):
+    grads, _ = loop_gradients(model, keras_loss(MSE), x, y)
+    flat = np.concatenate([g.reshape(len(g), -1) for g in grads], axis=1)
+    factors = np.minimum(1.0, clip / np.linalg.norm(flat, axis=1))
+    return [np.tensordot(factors, g, axes=1) / len(x) for g in grads]
+
+
+@pytest.mark.parametrize("name", ["clip_mean", "dp_mean_sigma_0"])
+def test_one_step_equals_the_oracle(name, float64, rng):
+    inner = _mlp()
+    x, y = _data(rng)
+    clip = 0.3
+    before = [w.copy() for w in inner.get_weights()]
+    expected = _clipped_mean(inner, x, y, clip)
+    agg = aggregate.clip_mean(clip) if name == "clip_mean" else aggregate.dp_mean(clip, 0.0)
+    model = PerExampleModel(inner, agg)
+    model.compile(optimizer=keras.optimizers.SGD(0.5), loss=MSE)
+    model.train_on_batch(x, y)
+    for w0, w1, g in zip(before, inner.get_weights(), expected, strict=True):
+        np.testing.assert_allclose(w1, w0 - 0.5 * g, rtol=1e-6, atol=1e-9)
+
+
+def test_noise_has_the_stated_size_and_never_repeats(float64, rng):
+    """update = clipped mean + N(0, (C sigma / B)^2) per coordinate, fresh at every step."""
+    inner = _mlp(width=64)
+    x, y = _data(rng)
+    clip, sigma, lr = 0.5, 2.0, 1.0
+    model = PerExampleModel(inner, aggregate.dp_mean(clip, sigma, seed=11))
+    model.compile(optimizer=keras.optimizers.SGD(lr), loss=MSE)
+    noises = []
+    for _ in range(3):
+        before = [w.copy() for w in inner.get_weights()]
+        expected = _clipped_mean(inner, x, y, clip)
+        model.train_on_batch(x, y)
+        step = [(w0 - w1) / lr - g
+                for w0, w1, g in zip(before, inner.get_weights(), expected, strict=True)]
+        noises.append(np.concatenate([s.ravel() for s in step]))
+    stddev = clip * sigma / len(x)
+    for n in noises:
+        assert abs(np.std(n) / stddev - 1.0) < 0.1, np.std(n) / stddev
+    for a in range(3):
+        for b in range(a + 1, 3):
+            assert abs(np.corrcoef(noises[a], noises[b])[0, 1]) < 0.1
+    assert np.asarray(model.noise_state).tolist() == [11, 3]
+
+
+def test_a_loss_that_mixes_examples_is_refused_before_any_state_changes(float64, rng):
+    inner = _mlp()
+    x, y = _data(rng)
+
+    def centered(y_true, y_pred):
+        per_example = keras.ops.mean(keras.ops.square(y_true - y_pred), axis=-1)
+        return per_example - keras.ops.mean(per_example)
+
+    model = PerExampleModel(inner, aggregate.dp_mean(1.0, 1.0, seed=5))
+    model.compile(optimizer=keras.optimizers.Adam(0.1), loss=centered)
+    before = [w.copy() for w in inner.get_weights()]
+    with pytest.raises(pergrad.MixesExamplesError):
+        model.fit(x, y, batch_size=8, epochs=1, verbose=0)
+    for a, b in zip(inner.get_weights(), before, strict=True):
+        np.testing.assert_array_equal(a, b)
+    assert int(np.asarray(model.optimizer.iterations)) == 0
+    assert np.asarray(model.noise_state).tolist() == [5, 0]
+    with pytest.raises(pergrad.MixesExamplesError):  # and every later step too
+        model.train_on_batch(x, y)
+    for a, b in zip(inner.get_weights(), before, strict=True):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_the_noise_stream_survives_save_and_load(float64, rng, tmp_path):
+    x, y = _data(rng, 16)
+    model = PerExampleModel(_mlp(), aggregate.dp_mean(1.0, 1.0, seed=7))
+    model.compile(optimizer=keras.optimizers.SGD(0.1), loss=MSE)
+    model.fit(x, y, batch_size=8, epochs=1, verbose=0)
+    assert np.asarray(model.noise_state).tolist() == [7, 2]
+    model.save(tmp_path / "dp.keras")
+    loaded = keras.models.load_model(tmp_path / "dp.keras")
+    assert np.asarray(loaded.noise_state).tolist() == [7, 2]
+    loaded.fit(x, y, batch_size=8, epochs=1, verbose=0)
+    assert np.asarray(loaded.noise_state).tolist() == [7, 4]
+
+
+class RunningMean(keras.layers.Layer):
+    """Writes a statistic of the batch into a non-trainable variable while training."""
+
+    def build(self, input_shape):
+        self.mean = self.add_weight(shape=(input_shape[-1],), initializer="zeros",
+                                    trainable=False, name="running_mean")
+
+    def call(self, x, training=False):
+        if training:
+            self.mean.assign(keras.ops.mean(x, axis=0))
+        return x
+
+
+def test_a_batch_statistic_written_under_dp_is_refused(float64, rng):
+    keras.utils.set_random_seed(0)
+    inner = keras.Sequential([keras.Input((6,)), keras.layers.Dense(4), RunningMean(),
+                              keras.layers.Dense(3)])
+    model = PerExampleModel(inner, aggregate.dp_mean(1.0, 1.0), check_example_mixing=False)
+    model.compile(optimizer="sgd", loss=MSE)
+    x, y = _data(rng)
+    with pytest.raises(ValueError, match="running_mean"):
+        model.fit(x, y, batch_size=8, epochs=1, verbose=0)
