@@ -10,6 +10,12 @@ ordinary batch gradient (``jax.jit(jax.grad)`` of the summed loss through
   its norms and clipped sum: how JAX Privacy's Keras API computes per-example gradients (it
   clips what ``vmap`` materializes).
 
+and one training step (``train_on_batch``, SGD) as a ratio to a plain Keras step of the same
+model: ``PerExampleModel(dp_mean)``, and, when ``jax-privacy`` is installed, JAX Privacy 2.0's
+``keras_api.make_private`` with its two gradient methods (``microbatch_size=None``: one
+``vmap`` over the batch; ``microbatch_size=32``: ``vmap`` over 32 examples at a time, in
+sequence). DP noise keys are 64-bit, so the script turns on ``jax_enable_x64`` first.
+
     KERAS_BACKEND=jax python benchmarks/bench_jax.py            # the table in docs/backends.md
     KERAS_BACKEND=jax python benchmarks/bench_jax.py --quick    # two models, batch 64
 """
@@ -84,7 +90,7 @@ def _timings(model, x, y) -> dict[str, Callable[[], object]]:
     frozen = [v.value for v in model.non_trainable_variables]
     batch_grad, vmap_grads, vmap_norms, vmap_clipped = _baselines(model)
     pex = pergrad.PerExample(model, LOSS)
-    return {
+    timings = {
         "batch gradient": lambda: batch_grad(values, frozen, x, y),
         "pergrad norms": lambda: pex.norms(x, y),
         "pergrad clipped_sum": lambda: pex.clipped_sum(x, y, CLIP),
@@ -93,6 +99,36 @@ def _timings(model, x, y) -> dict[str, Callable[[], object]]:
         "vmap clipped_sum": lambda: vmap_clipped(values, frozen, x, y),
         "vmap gradients": lambda: vmap_grads(values, frozen, x, y),
     }
+    return {**timings, **_step_timings(model, x, y)}
+
+
+def _step_timings(model, x, y) -> dict[str, Callable[[], object]]:
+    """One SGD ``train_on_batch`` of copies of ``model`` with the same weights."""
+    size = int(x.shape[0])
+
+    def copy():
+        twin = keras.models.clone_model(model)
+        twin.set_weights(model.get_weights())
+        return twin
+
+    plain = copy()
+    private = pergrad.keras.PerExampleModel(
+        copy(), pergrad.aggregate.dp_mean(CLIP, 1.0, expected_batch_size=size))
+    steps = {"keras step": plain, "pergrad dp_mean step": private}
+    try:
+        from jax_privacy import keras_api
+    except ImportError:
+        keras_api = None
+    if keras_api is not None:
+        for label, micro in (("jax_privacy step", None), ("jax_privacy micro32 step", 32)):
+            config = keras_api.DPKerasConfig(
+                epsilon=8.0, delta=1e-5, clipping_norm=CLIP, batch_size=size,
+                gradient_accumulation_steps=1, train_steps=1000, train_size=1000 * size,
+                noise_multiplier=1.0, microbatch_size=micro if micro and micro < size else None)
+            steps[label] = keras_api.make_private(copy(), config)
+    for m in steps.values():
+        m.compile(optimizer=keras.optimizers.SGD(0.01), loss=LOSS)
+    return {label: (lambda m=m: m.train_on_batch(x, y)) for label, m in steps.items()}
 
 
 def run(quick: bool = False, models: tuple[str, ...] | None = None,
@@ -116,7 +152,8 @@ def run(quick: bool = False, models: tuple[str, ...] | None = None,
                     rows.append({"model": name, "batch": size, "what": label,
                                  "ms": None, "ratio": None, "error": type(error).__name__})
                     continue
-                base = seconds if label == "batch gradient" else base
+                if label in ("batch gradient", "keras step"):
+                    base = seconds
                 rows.append({"model": name, "batch": size, "what": label, "ms": 1e3 * seconds,
                              "ratio": None if base is None else seconds / base})
                 print(f"{name} {size} {label}: {1e3 * seconds:.2f} ms", file=sys.stderr,
@@ -127,11 +164,14 @@ def run(quick: bool = False, models: tuple[str, ...] | None = None,
 def markdown(rows: list[dict]) -> str:
     columns = ["pergrad norms", "pergrad clipped_sum", "pergrad gradients", "vmap norms",
                "vmap clipped_sum", "vmap gradients"]
+    steps = ["pergrad dp_mean step", "jax_privacy step", "jax_privacy micro32 step"]
     device = jax.devices()[0]
     lines = [f"JAX {jax.__version__}, Keras {keras.__version__}, {device.platform} "
              f"({getattr(device, 'device_kind', '')}; {platform.machine()})", "",
              "| model | batch | batch gradient | " + " | ".join(columns) + " |",
              "|---|---|---|" + "---|" * len(columns)]
+    step_lines = ["", "| model | batch | Keras step | " + " | ".join(steps) + " |",
+                  "|---|---|---|" + "---|" * len(steps)]
     keys = sorted({(r["model"], r["batch"]) for r in rows},
                   key=lambda k: (DEFAULT_MODELS.index(k[0]) if k[0] in DEFAULT_MODELS else 99,
                                  k[1]))
@@ -139,14 +179,18 @@ def markdown(rows: list[dict]) -> str:
         cells = {r["what"]: r for r in rows if (r["model"], r["batch"]) == (model, size)}
         base = cells.get("batch gradient", {})
         row = [model, str(size), "failed" if base.get("ms") is None else f"{base['ms']:.2f} ms"]
-        for column in columns:
-            cell = cells.get(column, {})
-            if cell.get("ratio") is None:
-                row.append(cell.get("error", "n/a"))
-            else:
-                row.append(f"{cell['ratio']:.2f}x")
-        lines.append("| " + " | ".join(row) + " |")
-    return "\n".join(lines)
+        lines.append("| " + " | ".join(row + [_ratio(cells, c) for c in columns]) + " |")
+        step = cells.get("keras step", {})
+        step_row = [model, str(size), "failed" if step.get("ms") is None else f"{step['ms']:.2f} ms"]
+        step_lines.append("| " + " | ".join(step_row + [_ratio(cells, c) for c in steps]) + " |")
+    return "\n".join(lines + step_lines)
+
+
+def _ratio(cells: dict, column: str) -> str:
+    cell = cells.get(column, {})
+    if cell.get("ratio") is None:
+        return cell.get("error", "n/a")
+    return f"{cell['ratio']:.2f}x"
 
 
 def main(argv: list[str] | None = None) -> int:
