@@ -131,3 +131,21 @@ def test_a_batch_statistic_written_under_dp_is_refused(float64, rng):
     x, y = _data(rng)
     with pytest.raises(ValueError, match="running_mean"):
         model.fit(x, y, batch_size=8, epochs=1, verbose=0)
+
+
+def test_poisson_batches_and_the_privacy_budget(float64, rng):
+    """The DP-SGD route end to end: Poisson-sampled, padded batches (tf.data), dp_mean dividing
+    by the expected batch size, and PrivacyCallback stopping at the budget, with the epsilon it
+    reports equal to the accountant's for the steps that ran."""
+    x, y = rng.normal(size=(64, 6)), rng.normal(size=(64, 3))
+    model = PerExampleModel(_mlp(), aggregate.dp_mean(1.0, 2.0, seed=2, expected_batch_size=8))
+    model.compile(optimizer=keras.optimizers.SGD(0.05), loss=MSE)
+    budget = pergrad.keras.PrivacyCallback(64, 8, 2.0, 1e-5, target_epsilon=2.0, verbose=0)
+    data = pergrad.privacy.poisson_batches(x, y, batch_size=8, seed=0, epochs=8)
+    model.fit(data, epochs=8, callbacks=[budget], shuffle=False, verbose=0)
+    assert budget.budget_exhausted and budget.steps == budget.max_steps
+    assert np.asarray(model.noise_state).tolist() == [2, budget.steps]
+    assert budget.epsilon <= 2.0
+    assert budget.steps == 35 < 64  # stopped by the budget, before the data ran out
+    assert budget.epsilon == pytest.approx(pergrad.privacy.epsilon_for_steps(
+        8 / 64, 2.0, budget.steps, 1e-5))
