@@ -101,9 +101,13 @@ def test_clipped_sum_inside_a_compiled_step_of_ones_own(float64):
 def test_parts_not_yet_ported_say_so():
     model = zoo.mlp().model
     with pytest.raises(NotImplementedError, match="TensorFlow backend only.*docs/backends.md"):
-        pergrad.keras.PerExampleModel(model)
+        pergrad.keras.GradientMonitor()
+    with pytest.raises(NotImplementedError, match="monitor.*TensorFlow backend only"):
+        pergrad.keras.PerExampleModel(model, monitor=object())
     with pytest.raises(NotImplementedError, match="TensorFlow backend only"):
         pergrad.jacobian(model)
+    with pytest.raises(NotImplementedError, match="TensorFlow backend only"):
+        pergrad.stats.gradient_statistics(pergrad.PerExample(model, zoo.SCCE), None)
 
 
 def test_an_unsupported_backend_is_named(monkeypatch):
