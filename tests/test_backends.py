@@ -138,3 +138,45 @@ def test_dp_noise_on_jax_without_64_bit_integers_is_refused(tmp_path):
                           text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-2000:]
     assert "refused: DP noise on the JAX backend needs 64-bit integer keys" in done.stdout
+
+
+def test_recurrent_layers_in_training_mode_match_the_oracle(float64):
+    """GRU and LSTM cells own a seed generator even without dropout; in training mode the JAX
+    engine replays them on the batch with the state they ran with: exact."""
+    case = zoo.lstm()
+    expected, _ = loop_gradients(case.model, keras_loss(case.loss), case.x, case.y,
+                                 training=True)
+    got = pergrad.PerExample(case.model, case.loss, training=True).gradients(case.x, case.y)
+    scale = max(np.max(np.abs(e)) for e in expected)
+    for g, e in zip(got, expected, strict=True):
+        assert_close(g, e, atol=1e-6 * scale)
+
+
+def test_dropout_inside_a_generic_layer_is_exact_for_the_mask_drawn(float64):
+    """An LSTM with dropout in training mode: the per-example gradients of one call add up to
+    the batch gradient of that same call (same masks: the seed state from before the call)."""
+    keras.utils.set_random_seed(3)
+    inputs = keras.Input((4, 3))
+    h = keras.layers.LSTM(5, dropout=0.4, recurrent_dropout=0.3, seed=7)(inputs)
+    model = keras.Model(inputs, keras.layers.Dense(3)(h))
+    x, y = np.random.default_rng(1).normal(size=(5, 4, 3)), np.arange(5) % 3
+    seeds = [np.asarray(v).copy() for v in model.non_trainable_variables]
+    grads = pergrad.PerExample(model, zoo.SCCE, training=True).gradients(x, y)
+    values = [v.value for v in model.trainable_variables]
+
+    def batch_loss(values):
+        out, _ = model.stateless_call(values, seeds, x, training=True)
+        return keras.ops.sum(zoo.SCCE.call(y, out))
+
+    if backend.is_jax():
+        import jax
+        expected = jax.grad(batch_loss)(values)
+    else:
+        import tensorflow as tf
+        values = [tf.convert_to_tensor(v) for v in values]
+        with tf.GradientTape() as tape:
+            tape.watch(values)
+            total = batch_loss(values)
+        expected = tape.gradient(total, values)
+    for g, e in zip(grads, expected, strict=True):
+        assert_close(np.sum(np.asarray(g), axis=0), e, rtol=1e-8)

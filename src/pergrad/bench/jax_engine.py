@@ -132,7 +132,9 @@ def _step_timings(model, x, y) -> dict[str, Callable[[], object]]:
 
 
 def run(quick: bool = False, models: tuple[str, ...] | None = None,
-        batch_sizes: tuple[int, ...] | None = None) -> list[dict]:
+        batch_sizes: tuple[int, ...] | None = None, skip: tuple[str, ...] = ()) -> list[dict]:
+    """Time every column of every row; ``skip``: column labels not to run (reported as
+    ``skipped``), for baselines that take minutes on a model (JAX Privacy on MobileNet)."""
     if keras.backend.backend() != "jax":
         raise SystemExit("Run with KERAS_BACKEND=jax.")
     models = models or (("mlp", "cnn") if quick else DEFAULT_MODELS)
@@ -146,11 +148,17 @@ def run(quick: bool = False, models: tuple[str, ...] | None = None,
             timings = _timings(model, jnp.asarray(x), jnp.asarray(y))
             base = None
             for label, fn in timings.items():
+                if label in skip:
+                    rows.append({"model": name, "batch": size, "what": label, "ms": None,
+                                 "ratio": None, "error": "skipped"})
+                    continue
                 try:
                     seconds = median_seconds(fn, repeats, budget)
                 except Exception as error:  # noqa: BLE001 - reported in the table, not hidden
                     rows.append({"model": name, "batch": size, "what": label,
                                  "ms": None, "ratio": None, "error": type(error).__name__})
+                    print(f"{name} {size} {label}: failed: {type(error).__name__}: "
+                          f"{str(error).splitlines()[0][:200]}", file=sys.stderr, flush=True)
                     continue
                 if label in ("batch gradient", "keras step"):
                     base = seconds
@@ -198,10 +206,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help="mlp and cnn at batch 64")
     parser.add_argument("--models", default=None, help=f"comma-separated, from {sorted(MODELS)}")
     parser.add_argument("--batch-sizes", default=None, help="comma-separated batch sizes")
+    parser.add_argument("--skip", default="", help="comma-separated column labels not to run")
     parser.add_argument("--json", metavar="PATH", help="also write the rows as JSON")
     args = parser.parse_args(argv)
     rows = run(args.quick, tuple(args.models.split(",")) if args.models else None,
-               tuple(int(b) for b in args.batch_sizes.split(",")) if args.batch_sizes else None)
+               tuple(int(b) for b in args.batch_sizes.split(",")) if args.batch_sizes else None,
+               tuple(s for s in args.skip.split(",") if s))
     print(markdown(rows))
     if args.json:
         with open(args.json, "w") as handle:

@@ -75,6 +75,9 @@ def record_calls(plan: Plan, tap: Callable[[Any], Any] | None = None,
                 outputs, tapped, saved = rule.forward(layer, args, kwargs)
                 note(LayerCall(layer, args, kwargs, tapped, saved))
                 return outputs
+            # A generic layer replayed on JAX must see the state it ran with (seed states).
+            state = ([v.value for v in layer.non_trainable_variables]
+                     if tap is not None and rule is None else None)
             activation = getattr(layer, "activation", None) if split else None
             if activation is not None:
                 set_untracked(layer, "activation", None)
@@ -90,7 +93,7 @@ def record_calls(plan: Plan, tap: Callable[[Any], Any] | None = None,
                 if tap is not None:
                     tapped = tap(tapped)
                 outputs = tapped
-            note(LayerCall(layer, args, kwargs, tapped))
+            note(LayerCall(layer, args, kwargs, tapped, state))
             return outputs
 
         had_own = "call" in layer.__dict__

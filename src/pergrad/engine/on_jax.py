@@ -119,9 +119,10 @@ class _Pass:
 
 
 def _record_parts(record: LayerCall) -> tuple[list, Any, list]:
-    """The array leaves of a call's arguments, their structure, and which leaves are arrays."""
-    leaves, structure = keras.tree.flatten((record.args, record.kwargs)), (record.args,
-                                                                             record.kwargs)
+    """The array leaves of a call's arguments (and of what it saved), their structure, and
+    which leaves are arrays."""
+    structure = (record.args, record.kwargs, record.saved)
+    leaves = keras.tree.flatten(structure)
     arrays = [i for i, leaf in enumerate(leaves) if _is_array(leaf)]
     return [leaves[i] for i in arrays], (structure, leaves), arrays
 
@@ -131,8 +132,8 @@ def _rebuild(record: LayerCall, parts: tuple, arrays: list, values: list) -> Lay
     leaves = list(leaves)
     for i, value in zip(arrays, values, strict=True):
         leaves[i] = value
-    args, kwargs = keras.tree.pack_sequence_as(structure, leaves)
-    return LayerCall(record.layer, tuple(args), dict(kwargs), None, record.saved)
+    args, kwargs, saved = keras.tree.pack_sequence_as(structure, leaves)
+    return LayerCall(record.layer, tuple(args), dict(kwargs), None, saved)
 
 
 def run_auto(model, plan: Plan, loss_fn, x, y, sample_weight, training: bool,
@@ -203,12 +204,14 @@ def _batched(leaf, batch: int) -> bool:
 
 def generic_forms(layer, call: LayerCall, grads: list, training: bool) -> list[Materialized]:
     """``g_i = d/dW <f(x_i; W), D_i>`` for every trainable variable of ``layer``: ``jax.vmap``
-    over examples of one layer's VJP through ``stateless_call``."""
+    over examples of one layer's VJP through ``stateless_call``.
+
+    A layer that draws random numbers (dropout) in training mode would draw other numbers for
+    one example alone, so it is replayed on the whole batch with the seed state it ran with
+    (the same numbers) and differentiated per example: ``jax.jacrev`` of
+    ``s_i(W) = <f(x; W)_i, D_i>``, exact for the mask the forward pass drew."""
     if training and any(owns_seed_generator(s) for s in sublayers(layer, include_self=True)):
-        raise NotImplementedError(
-            f"Layer {layer.name!r} ({type(layer).__name__}) draws random numbers (dropout) and "
-            "has no rule; on the JAX backend its per-example gradients in training mode are not "
-            "supported yet. Call with training=False, or use strategy='vmap'.")
+        return _replayed_forms(layer, call, grads)
     variables = layer.trainable_variables
     values = current_values(variables)
     frozen = current_values(layer.non_trainable_variables)
@@ -233,6 +236,23 @@ def generic_forms(layer, call: LayerCall, grads: list, training: bool) -> list[M
 
     per_example = jax.vmap(one_example)([leaves[i] for i in batched], list(grads))
     return [Materialized(v, g.astype(v.dtype)) for v, g in zip(variables, per_example,
+                                                               strict=True)]
+
+
+def _replayed_forms(layer, call: LayerCall, grads: list) -> list[Materialized]:
+    variables = layer.trainable_variables
+    frozen = call.saved  # the layer's non-trainable values when the call ran (seed states)
+    batch = grads[0].shape[0]
+
+    def per_example(values):
+        with autocast_scope(layer):
+            out, _ = layer.stateless_call(values, frozen, *call.args, **call.kwargs)
+        outs = _floating_leaves(out)
+        return sum(jnp.sum(jnp.reshape(o * g.astype(o.dtype), (batch, -1)), axis=1)
+                   for o, g in zip(outs, grads, strict=True))
+
+    jacobians = jax.jacrev(per_example)(current_values(variables))
+    return [Materialized(v, j.astype(v.dtype)) for v, j in zip(variables, jacobians,
                                                                strict=True)]
 
 
