@@ -116,30 +116,6 @@ def test_an_unsupported_backend_is_named(monkeypatch):
         backend.require_supported("pergrad's engine")
 
 
-def test_dp_noise_on_jax_without_64_bit_integers_is_refused(tmp_path):
-    """Without jax_enable_x64 a noise key's 62-bit seed would be truncated to 32 bits: the DP
-    model refuses to build (a separate process: x64 is a process-wide switch)."""
-    import os
-    import subprocess
-    import sys
-
-    script = tmp_path / "no_x64.py"
-    script.write_text(
-        "import keras, pergrad\n"
-        "from pergrad import aggregate\n"
-        "model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(2)])\n"
-        "try:\n"
-        "    pergrad.keras.PerExampleModel(model, aggregate.dp_mean(1.0, 1.0))\n"
-        "except ValueError as error:\n"
-        "    print('refused:', error)\n")
-    env = {k: v for k, v in os.environ.items() if k != "JAX_ENABLE_X64"}
-    env.update(KERAS_BACKEND="jax", TF_CPP_MIN_LOG_LEVEL="3")
-    done = subprocess.run([sys.executable, str(script)], env=env, capture_output=True,
-                          text=True, timeout=120)
-    assert done.returncode == 0, done.stderr[-2000:]
-    assert "refused: DP noise on the JAX backend needs 64-bit integer keys" in done.stdout
-
-
 def test_recurrent_layers_in_training_mode_match_the_oracle(float64):
     """GRU and LSTM cells own a seed generator even without dropout; in training mode the JAX
     engine replays them on the batch with the state they ran with: exact."""

@@ -97,6 +97,27 @@ def test_bench_quick_runs_and_writes_json(tmp_path):
     assert "| mlp | 16 |" in done.stdout
 
 
+def test_bench_on_the_jax_backend(tmp_path):
+    """``pergrad bench --backend jax``: the JAX engine suite, DP step included, from the CLI
+    (its own process, whatever backend this one runs: once, in the TensorFlow run)."""
+    path = tmp_path / "jax.json"
+    env = {k: v for k, v in os.environ.items() if k != "KERAS_BACKEND"}
+    done = subprocess.run([sys.executable, "-m", "pergrad", "bench", "--backend", "jax",
+                           "--quick", "--models", "mlp", "--batch-sizes", "16", "--json",
+                           str(path)], capture_output=True, text=True, timeout=300,
+                          env=dict(env, TF_CPP_MIN_LOG_LEVEL="2"))
+    assert done.returncode == 0, done.stderr[-3000:]
+    rows = json.loads(path.read_text())["engine"]
+    measured = {r["what"] for r in rows if r["ms"] is not None}
+    assert {"batch gradient", "pergrad norms", "pergrad clipped_sum", "vmap gradients",
+            "keras step", "pergrad dp_mean step"} <= measured
+    assert "| mlp | 16 |" in done.stdout and "JAX" in done.stdout
+    refused = subprocess.run([sys.executable, "-m", "pergrad", "bench", "--backend", "jax",
+                              "--suites", "training"], capture_output=True, text=True,
+                             timeout=120, env=env)
+    assert refused.returncode == 2 and "only the engine suite" in refused.stderr
+
+
 def test_bench_runs_every_suite(tmp_path):
     """The quick training, monitor and jacobian suites; on the CNN only, unless
     PERGRAD_FULL_TESTS=1 asks for every default model (the transformer's traces double the

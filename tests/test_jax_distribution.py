@@ -1,9 +1,8 @@
-"""``PerExampleModel`` under ``keras.distribution.DataParallel`` on two JAX host devices.
-
-The device count must be set before JAX initializes
-(``XLA_FLAGS=--xla_force_host_platform_device_count=2``), so the training runs in a fresh
-subprocess that prints its measurements as JSON; the assertions are made here. It runs whatever
-backend the parent test process uses: the child is always JAX.
+"""JAX process-wide settings, each in a fresh JAX subprocess: ``PerExampleModel`` under
+``keras.distribution.DataParallel`` on two host devices
+(``XLA_FLAGS=--xla_force_host_platform_device_count=2`` must be set before JAX initializes), and
+DP noise refused without ``jax_enable_x64``. The children always run JAX, so these tests run
+once, in the TensorFlow run of the suite.
 """
 
 from __future__ import annotations
@@ -13,8 +12,6 @@ import os
 import subprocess
 import sys
 import textwrap
-
-import pytest
 
 SCRIPT = textwrap.dedent(r"""
     import json
@@ -74,7 +71,6 @@ SCRIPT = textwrap.dedent(r"""
 """)
 
 
-@pytest.mark.all_backends
 def test_data_parallel_on_two_devices_equals_one_device(tmp_path):
     script = tmp_path / "data_parallel.py"
     script.write_text(SCRIPT)
@@ -89,3 +85,25 @@ def test_data_parallel_on_two_devices_equals_one_device(tmp_path):
         assert out[name] < 1e-5, (name, out[name])
     assert out["noise_states"] == [[4, 4], [4, 4]]  # 2 epochs x 2 steps, one key per step
     assert out["noise_moved_weights"] > 1e-3
+
+
+
+def test_dp_noise_on_jax_without_64_bit_integers_is_refused(tmp_path):
+    """Without jax_enable_x64 a noise key's 62-bit seed would be truncated to 32 bits: the DP
+    model refuses to build (a separate process: x64 is a process-wide switch)."""
+    script = tmp_path / "no_x64.py"
+    script.write_text(
+        "import keras, pergrad\n"
+        "from pergrad import aggregate\n"
+        "model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(2)])\n"
+        "try:\n"
+        "    pergrad.keras.PerExampleModel(model, aggregate.dp_mean(1.0, 1.0))\n"
+        "except ValueError as error:\n"
+        "    print('refused:', error)\n")
+    env = {k: v for k, v in os.environ.items() if k != "JAX_ENABLE_X64"}
+    env.update(KERAS_BACKEND="jax", TF_CPP_MIN_LOG_LEVEL="3")
+    done = subprocess.run([sys.executable, str(script)], env=env, capture_output=True,
+                          text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "refused: DP noise on the JAX backend needs 64-bit integer keys" in done.stdout
+

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 
 
@@ -46,10 +47,17 @@ def add_parser(commands) -> None:
     parser.add_argument("--suites", type=_csv(str), default=("engine",),
                         help=f"which benchmarks, comma-separated from {','.join(SUITES)} "
                              "(default: engine)")
+    parser.add_argument("--backend", choices=("tensorflow", "jax"), default=None,
+                        help="the Keras backend to benchmark (default: KERAS_BACKEND, else "
+                             "tensorflow); on jax the engine suite also times the DP training "
+                             "step against plain Keras and, if installed, JAX Privacy")
     parser.add_argument("--json", default=None, metavar="PATH", help="also write rows as JSON")
 
 
 def run(args: argparse.Namespace) -> int:
+    backend = args.backend or os.environ.get("KERAS_BACKEND", "tensorflow")
+    if backend == "jax":
+        return _run_jax(args)
     from pergrad.bench import engine, jacobian, label_errors, monitor, training
     from pergrad.bench.models import MODELS
 
@@ -77,4 +85,34 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         with open(args.json, "w") as handle:
             json.dump(results, handle, indent=1)
+    return 0
+
+
+def _run_jax(args: argparse.Namespace) -> int:
+    """The engine suite on the JAX backend (:mod:`pergrad.bench.jax_engine`), in this process:
+    Keras has not been imported yet, so the backend can still be chosen."""
+    if "keras" in sys.modules and sys.modules["keras"].backend.backend() != "jax":
+        print("pergrad bench: error: Keras is already running on another backend; run with "
+              "KERAS_BACKEND=jax", file=sys.stderr)
+        return 2
+    if tuple(args.suites) != ("engine",):
+        print("pergrad bench: error: on the jax backend only the engine suite runs "
+              "(--suites engine)", file=sys.stderr)
+        return 2
+    os.environ["KERAS_BACKEND"] = "jax"
+    import jax
+    jax.config.update("jax_enable_x64", True)  # DP noise keys are 64-bit
+    from pergrad.bench import jax_engine
+    from pergrad.bench.models import MODELS
+
+    unknown = [m for m in args.models or () if m not in MODELS]
+    if unknown:
+        print(f"pergrad bench: error: unknown models {unknown}", file=sys.stderr)
+        return 2
+    print("# engine (jax)", flush=True)
+    rows = jax_engine.run(args.quick, args.models, args.batch_sizes)
+    print(jax_engine.markdown(rows))
+    if args.json:
+        with open(args.json, "w") as handle:
+            json.dump({"engine": rows}, handle, indent=1)
     return 0
