@@ -107,7 +107,7 @@ def test_parts_not_yet_ported_say_so():
     with pytest.raises(NotImplementedError, match="TensorFlow backend only"):
         pergrad.jacobian(model)
     with pytest.raises(NotImplementedError, match="TensorFlow backend only"):
-        pergrad.stats.gradient_statistics(pergrad.PerExample(model, zoo.SCCE), None)
+        pergrad.stats.influence(model, zoo.SCCE, [], None, None, None, None)
 
 
 def test_an_unsupported_backend_is_named(monkeypatch):

@@ -14,6 +14,8 @@ import pergrad
 from pergrad.rules import forms
 from pergrad.stats import BATCH_STATISTICS, batch_statistics, gradient_statistics, gram
 
+pytestmark = pytest.mark.all_backends
+
 
 def reference(flat: np.ndarray, active: np.ndarray) -> dict[str, float]:
     """Every statistic, written out in numpy from the (B, P) matrix of per-example gradients."""

@@ -100,3 +100,10 @@ def wide_float() -> str:
         import jax
         return "float64" if jax.config.jax_enable_x64 else "float32"
     return "float64"
+
+
+def divide_no_nan(numerator: Any, denominator: Any) -> Any:
+    """``numerator / denominator``, 0 where the denominator is 0 (``tf.math.divide_no_nan``)."""
+    zero = ops.equal(denominator, 0)
+    safe = ops.where(zero, ops.ones_like(denominator), denominator)
+    return ops.where(zero, ops.zeros_like(numerator * safe), numerator / safe)

@@ -4,23 +4,23 @@ from __future__ import annotations
 
 from typing import Any
 
-import tensorflow as tf
+from keras import ops
 
-from pergrad.backend import require_tensorflow
+from pergrad.backend.ops import add_n, divide_no_nan
 from pergrad.engine import PerExample, PerExampleResult
 from pergrad.stats.formulas import batch_statistics, consensus_statistics, cosine
 
 
-def active_examples(sample_weight: Any, batch: tf.Tensor) -> tf.Tensor:
+def active_examples(sample_weight: Any, batch: Any) -> Any:
     """``(B,)`` booleans: the examples with a non-zero sample weight (all when ``None``).
 
     A ``(B, k)`` weight counts an example as active if any of its entries is non-zero.
     """
     if sample_weight is None:
-        return tf.ones([batch], tf.bool)
-    w = tf.convert_to_tensor(sample_weight)
-    w = tf.reshape(w, [batch, -1])
-    return tf.reduce_any(tf.not_equal(w, tf.zeros([], w.dtype)), axis=1)
+        return ops.ones([batch], "bool")
+    w = ops.convert_to_tensor(sample_weight)
+    w = ops.reshape(w, [batch, -1])
+    return ops.any(ops.not_equal(w, ops.zeros([], w.dtype)), axis=1)
 
 
 def layer_of(variable: Any) -> str:
@@ -30,16 +30,16 @@ def layer_of(variable: Any) -> str:
     return path.rsplit("/", 1)[0] if "/" in path else path
 
 
-def _per_layer(result: PerExampleResult, squared_norms: list[tf.Tensor], dots: list[tf.Tensor],
-               mean_sq: list[tf.Tensor]) -> dict[str, dict[str, tf.Tensor]]:
+def _per_layer(result: PerExampleResult, squared_norms: list, dots: list,
+               mean_sq: list) -> dict[str, dict[str, Any]]:
     groups: dict[str, list[int]] = {}
     for k, v in enumerate(result.variables):
         groups.setdefault(layer_of(v), []).append(k)
     out = {}
     for name, ks in groups.items():
-        norms = tf.sqrt(tf.add_n([squared_norms[k] for k in ks]))
-        batch_norm = tf.sqrt(tf.add_n([mean_sq[k] for k in ks]))
-        layer_dots = tf.add_n([dots[k] for k in ks])
+        norms = ops.sqrt(add_n([squared_norms[k] for k in ks]))
+        batch_norm = ops.sqrt(add_n([mean_sq[k] for k in ks]))
+        layer_dots = add_n([dots[k] for k in ks])
         out[name] = {
             "norms": norms,
             "dot_to_batch": layer_dots,
@@ -80,25 +80,25 @@ def statistics_from_result(result: PerExampleResult, sample_weight: Any = None,
     """
     dtype = result.norm_dtype
     active = active_examples(sample_weight, result.batch_size)
-    mask = tf.cast(active, dtype)
-    coefficients = mask / tf.maximum(tf.reduce_sum(mask), 1)
+    mask = ops.cast(active, dtype)
+    coefficients = mask / ops.maximum(ops.sum(mask), 1)
     mean_gradient = result.weighted_sum(coefficients)
-    mean_sq = [tf.reduce_sum(tf.square(tf.cast(g, dtype))) for g in mean_gradient]
-    batch_sq_norm = tf.add_n(mean_sq)
+    mean_sq = [ops.sum(ops.square(ops.cast(g, dtype))) for g in mean_gradient]
+    batch_sq_norm = add_n(mean_sq)
     squared_norms_per_var = result.squared_norms()
     dots_per_var = result.dots(mean_gradient)
-    squared_norms = tf.add_n(squared_norms_per_var) * mask
-    dots = tf.add_n(dots_per_var) * mask
-    norms = tf.sqrt(squared_norms)
+    squared_norms = add_n(squared_norms_per_var) * mask
+    dots = add_n(dots_per_var) * mask
+    norms = ops.sqrt(squared_norms)
     # The consensus of the batch, one vote per example: U = sum_i g_i / ||g_i||.
-    unit_sum = result.weighted_sum(mask * tf.math.divide_no_nan(tf.ones_like(norms), norms))
-    unit_sq_norm = tf.add_n([tf.reduce_sum(tf.square(tf.cast(u, dtype))) for u in unit_sum])
-    unit_dots = tf.add_n(result.dots(unit_sum)) * mask
+    unit_sum = result.weighted_sum(mask * divide_no_nan(ops.ones_like(norms), norms))
+    unit_sq_norm = add_n([ops.sum(ops.square(ops.cast(u, dtype))) for u in unit_sum])
+    unit_dots = add_n(result.dots(unit_sum)) * mask
     stats: dict[str, Any] = {
         "losses": result.losses,
         "norms": norms,
         "dot_to_batch": dots,
-        "cosine_to_batch": cosine(dots, norms, tf.sqrt(batch_sq_norm)),
+        "cosine_to_batch": cosine(dots, norms, ops.sqrt(batch_sq_norm)),
     }
     stats.update(batch_statistics(squared_norms, dots, batch_sq_norm, active))
     stats.update(consensus_statistics(unit_dots, norms, unit_sq_norm, active))
@@ -120,7 +120,6 @@ def gradient_statistics(pex: PerExample, x: Any, y: Any = None, sample_weight: A
         stats["cosine_to_batch"]   # (B,)
         stats["noise_scale"]       # scalar
     """
-    require_tensorflow("pergrad.stats.gradient_statistics")
     x, y, sample_weight = pex.prepare(x, y, sample_weight)
     name = "statistics_per_layer" if per_layer else "statistics"
 
@@ -130,7 +129,7 @@ def gradient_statistics(pex: PerExample, x: Any, y: Any = None, sample_weight: A
     return pex.compiled(name, body)(x, y, sample_weight)
 
 
-def gram(pex: PerExample, x: Any, y: Any = None, sample_weight: Any = None) -> tf.Tensor:
+def gram(pex: PerExample, x: Any, y: Any = None, sample_weight: Any = None) -> Any:
     """``K[i, j] = <g_i, g_j>``, ``(B, B)``, compiled; uses each form's Gram (the ghost trick
     ``sum_{t,s} (a_it . a_js)(d_it . d_js)`` for Dense/Conv kernels when cheaper than
     materializing)."""

@@ -14,7 +14,11 @@ examples the variance-based statistics are NaN.
 
 from __future__ import annotations
 
-import tensorflow as tf
+from typing import Any
+
+from keras import ops
+
+from pergrad.backend.ops import divide_no_nan
 
 #: Keys of the batch-level (scalar) statistics, in a fixed order.
 BATCH_STATISTICS = (
@@ -37,13 +41,13 @@ PER_EXAMPLE_STATISTICS = ("losses", "norms", "cosine_to_batch", "dot_to_batch", 
 CONSENSUS_STATISTICS = ("fraction_against_rest",)
 
 
-def cosine(dots: tf.Tensor, norms: tf.Tensor, batch_norm: tf.Tensor) -> tf.Tensor:
+def cosine(dots: Any, norms: Any, batch_norm: Any) -> Any:
     """``cos_i = <g_i, G> / (||g_i|| ||G||)``, 0 where either norm is 0."""
-    return tf.math.divide_no_nan(dots, norms * batch_norm)
+    return divide_no_nan(dots, norms * batch_norm)
 
 
-def batch_statistics(squared_norms: tf.Tensor, dots: tf.Tensor, batch_sq_norm: tf.Tensor,
-                     active: tf.Tensor) -> dict[str, tf.Tensor]:
+def batch_statistics(squared_norms: Any, dots: Any, batch_sq_norm: Any,
+                     active: Any) -> dict[str, Any]:
     """The batch-level statistics (all scalars), with ``n`` active examples and ``G`` their mean.
 
     * ``batch_gradient_norm = ||G||``.
@@ -77,32 +81,32 @@ def batch_statistics(squared_norms: tf.Tensor, dots: tf.Tensor, batch_sq_norm: t
         active: ``(B,)`` booleans, the examples that count.
     """
     dtype = squared_norms.dtype
-    mask = tf.cast(active, dtype)
-    n = tf.reduce_sum(mask)
-    nan = tf.constant(float("nan"), dtype)
-    unbiased = tf.where(n > 1, 1.0 / tf.maximum(n - 1, 1), nan)
-    sum_sq = tf.reduce_sum(mask * squared_norms)
-    variance = tf.maximum(sum_sq - n * batch_sq_norm, 0) * unbiased
+    mask = ops.cast(active, dtype)
+    n = ops.sum(mask)
+    nan = ops.cast(float("nan"), dtype)
+    unbiased = ops.where(n > 1, 1.0 / ops.maximum(n - 1, 1), nan)
+    sum_sq = ops.sum(mask * squared_norms)
+    variance = ops.maximum(sum_sq - n * batch_sq_norm, 0) * unbiased
     noise_scale = variance / batch_sq_norm
-    dot_var = tf.reduce_sum(mask * tf.square(dots - batch_sq_norm)) * unbiased
-    orthogonal_sq = tf.maximum(squared_norms - tf.square(dots) / batch_sq_norm, 0)
-    orthogonal = tf.reduce_sum(mask * orthogonal_sq) * unbiased
-    opposed = tf.reduce_sum(mask * tf.cast(dots < 0, dtype))
+    dot_var = ops.sum(mask * ops.square(dots - batch_sq_norm)) * unbiased
+    orthogonal_sq = ops.maximum(squared_norms - ops.square(dots) / batch_sq_norm, 0)
+    orthogonal = ops.sum(mask * orthogonal_sq) * unbiased
+    opposed = ops.sum(mask * ops.cast(dots < 0, dtype))
     return {
-        "batch_gradient_norm": tf.sqrt(batch_sq_norm),
+        "batch_gradient_norm": ops.sqrt(batch_sq_norm),
         "gradient_variance": variance,
         "noise_scale": noise_scale,
         "snr": n / noise_scale,
         "norm_test": noise_scale / n,
-        "inner_product_test": dot_var / (n * tf.square(batch_sq_norm)),
+        "inner_product_test": dot_var / (n * ops.square(batch_sq_norm)),
         "orthogonality_test": orthogonal / (n * batch_sq_norm),
         "gradient_diversity": sum_sq / (n * n * batch_sq_norm),
         "fraction_opposed": opposed / n,
     }
 
 
-def consensus_statistics(unit_dots: tf.Tensor, norms: tf.Tensor, unit_sq_norm: tf.Tensor,
-                         active: tf.Tensor) -> dict[str, tf.Tensor]:
+def consensus_statistics(unit_dots: Any, norms: Any, unit_sq_norm: Any,
+                         active: Any) -> dict[str, Any]:
     """Each example against the *consensus of the rest* of its batch, one vote per example.
 
     With ``u_j = g_j / ||g_j||`` and ``U = sum_{j in A} u_j``, the rest's consensus direction for
@@ -121,10 +125,10 @@ def consensus_statistics(unit_dots: tf.Tensor, norms: tf.Tensor, unit_sq_norm: t
     ROC AUC of 0.99, ranking by how often ``cosine_to_batch < 0`` with 0.2-0.35 (worse than chance).
     """
     dtype = norms.dtype
-    mask = tf.cast(active, dtype) * tf.cast(norms > 0, dtype)
-    unit_self = tf.math.divide_no_nan(unit_dots, norms)  # <u_i, U>
-    rest_sq = tf.maximum(unit_sq_norm - 2.0 * unit_self + 1.0, 0.0)
-    cos = tf.math.divide_no_nan(unit_self - 1.0, tf.sqrt(rest_sq)) * mask
-    n = tf.reduce_sum(tf.cast(active, dtype))
-    against = tf.reduce_sum(mask * tf.cast(cos < 0, dtype))
+    mask = ops.cast(active, dtype) * ops.cast(norms > 0, dtype)
+    unit_self = divide_no_nan(unit_dots, norms)  # <u_i, U>
+    rest_sq = ops.maximum(unit_sq_norm - 2.0 * unit_self + 1.0, 0.0)
+    cos = divide_no_nan(unit_self - 1.0, ops.sqrt(rest_sq)) * mask
+    n = ops.sum(ops.cast(active, dtype))
+    against = ops.sum(mask * ops.cast(cos < 0, dtype))
     return {"cosine_to_rest": cos, "fraction_against_rest": against / n}
