@@ -41,8 +41,8 @@ def pytest_configure(config):
 
 def pytest_collection_modifyitems(config, items):
     """On a backend other than TensorFlow only the tests marked ``all_backends`` run; the rest
-    test TensorFlow-only parts (tf.distribute, the training integration) and are deselected,
-    counted in pytest's summary line."""
+    test TensorFlow-only parts (tf.distribute, the monitor, Jacobians, the CLI) and are
+    deselected."""
     if keras.backend.backend() == "tensorflow":
         return
     selected = [item for item in items if item.get_closest_marker("all_backends")]

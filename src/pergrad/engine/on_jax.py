@@ -317,19 +317,30 @@ def run_loop(model, loss_fn, x, y, sample_weight, training: bool) -> PerExampleR
     return _per_example_map(jax.lax.map, model, loss_fn, x, y, sample_weight, training)
 
 
-def run_jacobian(model, loss_fn, x, y, sample_weight, training: bool) -> PerExampleResult:
-    """``jax.jacrev`` of the per-example losses with respect to every trainable variable."""
-    variables = list(model.trainable_variables)
+def _batch_losses(model, loss_fn, x, y, sample_weight, training: bool):
+    """``values -> (l, predictions)``: the weighted per-example losses of the whole batch as a
+    function of the trainable values, through ``stateless_call``."""
     frozen = current_values(model.non_trainable_variables)
     kwargs = {"training": training} if call_takes_training(model) else {}
 
     def losses_of(values):
         with autocast_scope(model):
             predictions, _ = model.stateless_call(values, frozen, x, **kwargs)
-        losses = weighted_losses(loss_fn(y, predictions), sample_weight)
+        return weighted_losses(loss_fn(y, predictions), sample_weight), predictions
+
+    return losses_of
+
+
+def run_jacobian(model, loss_fn, x, y, sample_weight, training: bool) -> PerExampleResult:
+    """``jax.jacrev`` of the per-example losses with respect to every trainable variable."""
+    losses_of = _batch_losses(model, loss_fn, x, y, sample_weight, training)
+
+    def with_aux(values):
+        losses, predictions = losses_of(values)
         return losses, (losses, predictions)
 
-    grads, (losses, predictions) = jax.jacrev(losses_of, has_aux=True)(current_values(variables))
+    values = current_values(model.trainable_variables)
+    grads, (losses, predictions) = jax.jacrev(with_aux, has_aux=True)(values)
     return _materialized(model, grads, losses, predictions)
 
 
@@ -340,16 +351,9 @@ RUNNERS: dict[str, Any] = {"jacobian": run_jacobian, "vmap": run_vmap, "loop": r
 def batch_gradient(model, loss_fn, x, y, sample_weight, training: bool) -> list:
     """``d/dtheta sum_i l_i`` by ``jax.grad`` of the whole model: what :meth:`PerExample.check`
     compares ``sum_i g_i`` with."""
-    variables = list(model.trainable_variables)
-    frozen = current_values(model.non_trainable_variables)
-    kwargs = {"training": training} if call_takes_training(model) else {}
-
-    def total(values):
-        with autocast_scope(model):
-            predictions, _ = model.stateless_call(values, frozen, x, **kwargs)
-        return jnp.sum(weighted_losses(loss_fn(y, predictions), sample_weight))
-
-    return jax.grad(total)(current_values(variables))
+    losses_of = _batch_losses(model, loss_fn, x, y, sample_weight, training)
+    return jax.grad(lambda values: jnp.sum(losses_of(values)[0]))(
+        current_values(model.trainable_variables))
 
 
 def compile_function(model, body, on_trace) -> Any:
