@@ -106,8 +106,6 @@ def test_parts_not_yet_ported_say_so():
         pergrad.keras.PerExampleModel(model, monitor=object())
     with pytest.raises(NotImplementedError, match="TensorFlow backend only"):
         pergrad.jacobian(model)
-    with pytest.raises(NotImplementedError, match="TensorFlow backend only"):
-        pergrad.stats.influence(model, zoo.SCCE, [], None, None, None, None)
 
 
 def test_an_unsupported_backend_is_named(monkeypatch):

@@ -184,6 +184,7 @@ def test_label_error_scores_and_ranking():
     assert n == len(scores["default"])
 
 
+@pytest.mark.all_backends
 def test_influence_matches_float64_tracin(float64):
     """sum_k eta_k <g_i(w_k), g_j(w_k)> over two checkpoints, against the loop oracle."""
     model = _model(2)
@@ -211,6 +212,7 @@ def test_influence_matches_float64_tracin(float64):
         influence(model, SCCE, [], x, y, xt, yt)
 
 
+@pytest.mark.all_backends
 def test_tracin_checkpoints_keep_weights_and_learning_rate():
     model = _model(3)
     x, y = _data(8, 3)

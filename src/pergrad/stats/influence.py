@@ -21,9 +21,9 @@ from typing import Any
 
 import keras
 import numpy as np
-import tensorflow as tf
+from keras import ops
 
-from pergrad.backend import require_tensorflow
+from pergrad.backend.ops import wide_float
 from pergrad.engine import PerExample
 
 
@@ -68,15 +68,14 @@ def influence(model: keras.Model, loss: Any, checkpoints: list[Checkpoint], x_tr
 
     Gradients are taken in inference mode (``training=False``: no dropout).
     """
-    require_tensorflow("pergrad.stats.influence")
     if not checkpoints:
         raise ValueError("influence needs at least one checkpoint (train with "
                          "pergrad.keras.TracInCheckpoints among the callbacks).")
     if int(batch_size) != batch_size or batch_size < 1:
         raise ValueError(f"batch_size must be a positive integer, got {batch_size}.")
     pex = PerExample(model, loss)
-    n = len(tf.nest.flatten(x_train)[0])
-    t = len(tf.nest.flatten(x_test)[0])
+    n = len(keras.tree.flatten(x_train)[0])
+    t = len(keras.tree.flatten(x_test)[0])
     scores = np.zeros((t, n))
     dots = pex.compiled("influence_dots", _dots_body(pex))
     saved = model.get_weights()
@@ -87,7 +86,7 @@ def influence(model: keras.Model, loss: Any, checkpoints: list[Checkpoint], x_tr
             for start in range(0, n, batch_size):
                 xb, yb, _ = pex.prepare(_rows(x_train, start, start + batch_size),
                                         _rows(y_train, start, start + batch_size))
-                part = dots(xb, yb, None, test_gradients).numpy()
+                part = np.asarray(dots(xb, yb, None, test_gradients))
                 scores[:, start:start + batch_size] += checkpoint.learning_rate * part
     finally:
         model.set_weights(saved)
@@ -99,9 +98,9 @@ def _dots_body(pex: PerExample):
         result = pex.compute(x, y, w)
         count = test_gradients[0].shape[0]
         rows = [result.dot([g[j] for g in test_gradients]) for j in range(count)]
-        return tf.cast(tf.stack(rows), tf.float64)  # (T, B)
+        return ops.cast(ops.stack(rows), wide_float())  # (T, B)
     return body
 
 
 def _rows(structure: Any, start: int, stop: int) -> Any:
-    return tf.nest.map_structure(lambda a: np.asarray(a)[start:stop], structure)
+    return keras.tree.map_structure(lambda a: np.asarray(a)[start:stop], structure)
