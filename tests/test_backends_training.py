@@ -149,3 +149,45 @@ def test_poisson_batches_and_the_privacy_budget(float64, rng):
     assert budget.steps == 35 < 64  # stopped by the budget, before the data ran out
     assert budget.epsilon == pytest.approx(pergrad.privacy.epsilon_for_steps(
         8 / 64, 2.0, budget.steps, 1e-5))
+
+
+def test_direct_noisy_calls_never_repeat_their_noise(float64, rng):
+    """``agg(result)`` outside any compiled function draws fresh noise at every call; inside a
+    compiled function its key must come in as an argument on JAX (a key drawn while tracing
+    would be a constant of the trace, the same at every call), so that is refused; TensorFlow's
+    stream variable advances inside ``tf.function``, so there each call is fresh."""
+    inner = _mlp()
+    x, y = _data(rng)
+    pex = pergrad.PerExample(inner, MSE)
+    agg = aggregate.dp_mean(1.0, 1.0, seed=3)
+    result = pex.compute(*pex.prepare(x, y)[:2])
+    first, second = agg(result), agg(result)
+    assert not np.allclose(np.asarray(first[0]), np.asarray(second[0]))
+    stream = aggregate.NoiseStream(seed=4)
+    compiled = pex.compiled("noisy", lambda x, y: agg(pex.compute(x, y)))
+    with_stream = pex.compiled(
+        "noisy_stream", lambda x, y: agg.finalize(
+            agg.local(pex.compute(x, y), aggregate.Batch.of(pex.compute(x, y))),
+            stream.next_key()))
+    xt, yt, _ = pex.prepare(x, y)
+    if keras.backend.backend() == "jax":
+        for fn in (compiled, with_stream):
+            with pytest.raises(ValueError, match="constant of this compiled function"):
+                fn(xt, yt)
+    else:
+        a, b = compiled(xt, yt), compiled(xt, yt)
+        assert not np.allclose(np.asarray(a[0]), np.asarray(b[0]))
+
+
+def test_callback_lists_and_unsupported_loss_scaling(float64, rng):
+    x, y = _data(rng)
+    model = PerExampleModel(_mlp(), aggregate.clip_mean(1.0))
+    model.compile(optimizer=keras.optimizers.SGD(0.1), loss=MSE)
+    history = keras.callbacks.History()
+    callbacks = keras.callbacks.CallbackList([history], model=model)
+    model.fit(x, y, batch_size=8, epochs=1, callbacks=callbacks, verbose=0)
+    if keras.backend.backend() == "jax":
+        scaled = PerExampleModel(_mlp(), aggregate.clip_mean(1.0))
+        scaled.compile(optimizer=keras.optimizers.SGD(0.1, loss_scale_factor=128.0), loss=MSE)
+        with pytest.raises(NotImplementedError, match="loss scaling"):
+            scaled.fit(x, y, batch_size=8, epochs=1, verbose=0)

@@ -107,14 +107,15 @@ def _jax_gaussian_noise(key, values: list, stddev: float) -> list:
     import jax.numpy as jnp
 
     require_64_bit_keys()
-    key = check_key(key)
     traced = any(isinstance(v, jax.core.Tracer) for v in values)
+    # Test the key as given, before converting it: inside a trace a conversion is a tracer too.
     if traced and not isinstance(key, jax.core.Tracer):
         raise ValueError(
             "The noise key is a constant of this compiled function: every call would draw the "
             "same noise. Pass the key as an argument of the jitted function (draw it outside, "
             "from pergrad.aggregate.NoiseStream(seed).next_key(), once per step), or train with "
             "PerExampleModel, whose train step draws it from the model's saved stream.")
+    key = check_key(key)
     seed, counter = key[0], key[1]
     words = [(seed >> 32) & 0xFFFFFFFF, seed & 0xFFFFFFFF, (counter >> 32) & 0xFFFFFFFF,
              counter & 0xFFFFFFFF]
@@ -180,9 +181,11 @@ class NoiseStream:
     def next_key(self) -> Any:
         """The next key ``[seed, counter]``; the counter advances."""
         if backend.is_jax():
+            # A host array, never converted here: drawn while tracing it stays a constant of
+            # the trace, which gaussian_noise refuses (it would repeat at every call).
             require_64_bit_keys()
             state = self.state
-            key = ops.convert_to_tensor(state.copy())
+            key = state.copy()
             state[1] += 1
             return key
         return next_key(self.state)

@@ -71,10 +71,12 @@ def _stateful_step(model, data) -> dict:
     if isinstance(sample_weight, (dict, list, tuple)):
         raise ValueError("PerExampleModel supports one sample weight per example, shape "
                          "(batch,); got a structure of sample weights.")
-    if isinstance(model.optimizer, keras.optimizers.LossScaleOptimizer):
+    if isinstance(model.optimizer, keras.optimizers.LossScaleOptimizer) \
+            or getattr(model.optimizer, "loss_scale_factor", None) is not None:
         raise NotImplementedError(
-            "PerExampleModel on the JAX backend does not support a LossScaleOptimizer (mixed "
-            "float16 training) yet; use float32 or bfloat16, or the TensorFlow backend.")
+            "PerExampleModel on the JAX backend does not support loss scaling (a "
+            "LossScaleOptimizer or an optimizer's loss_scale_factor) yet; use float32 or "
+            "bfloat16 without it, or the TensorFlow backend.")
     engine = model.per_example()
     if model._target_order is not None and isinstance(y, dict):
         y = [y[name] for name in model._target_order]
@@ -108,7 +110,10 @@ def _check_example_mixing(model, engine, x, y, sample_weight) -> None:
     tolerance = mixing_tolerance(compute_dtype(model.model))
 
     def check():
-        error = engine.example_mixing(x, y, sample_weight)
+        # The check's own forward passes write nothing: their writes stay in this scope.
+        mapping = [(v, v.value) for v in model.variables]
+        with keras.StatelessScope(state_mapping=mapping):
+            error = engine.example_mixing(x, y, sample_weight)
         return jnp.where(error <= tolerance, CHECKED, REFUSED).astype(status.dtype)
 
     current = ops.convert_to_tensor(status.value)

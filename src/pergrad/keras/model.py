@@ -269,6 +269,7 @@ class PerExampleModel(keras.Model):
         if self.aggregator.noisy:
             if not is_tensorflow():
                 noise.require_64_bit_keys()
+                _require_shared_seed(self.aggregator)
             seed = self.aggregator.noise.claim(self, self.aggregator.name)
             self.noise_state = self.add_weight(
                 shape=noise.KEY_SHAPE, dtype="int64", trainable=False, name="noise_state",
@@ -370,8 +371,12 @@ class PerExampleModel(keras.Model):
         :class:`MixesExamplesError` (see :mod:`pergrad.keras.jax_step`)."""
         if self.mixing_status is not None:
             bound = inspect.signature(keras.Model.fit).bind_partial(self, *args, **kwargs)
-            callbacks = list(bound.arguments.get("callbacks") or [])
-            bound.arguments["callbacks"] = [_MixingRefusal(), *callbacks]
+            callbacks = bound.arguments.get("callbacks") or []
+            if isinstance(callbacks, keras.callbacks.CallbackList):
+                callbacks.callbacks.insert(0, _MixingRefusal())
+                callbacks.callbacks[0].set_model(self)
+            else:
+                bound.arguments["callbacks"] = [_MixingRefusal(), *callbacks]
             args, kwargs = bound.args[1:], bound.kwargs
         with _values_restored_on_error(self):
             return super().fit(*args, **kwargs)
@@ -610,10 +615,28 @@ class _values_restored_on_error:
 
     def __exit__(self, kind, error, traceback) -> bool:
         if error is not None:
+            noise_state = getattr(self.model, "noise_state", None)
             for variable, value in zip(self.variables, self.values, strict=True):
+                # The noise stream never moves backwards: a key it already gave out would be
+                # drawn again. A Keras that did not hand the state back leaves it empty (any
+                # later use fails) rather than rewound.
+                if variable is noise_state:
+                    continue
                 if value is not None and held_value(variable) is None:
                     variable.assign(value)
         return False
+
+
+def _require_shared_seed(aggregator) -> None:
+    """On several JAX processes every process must start the same stream: ``seed=None`` would
+    draw a different seed in each."""
+    import jax
+    if aggregator.noise.seed is None and jax.process_count() > 1:
+        raise ValueError(
+            f"{aggregator.name}(seed=None) on {jax.process_count()} JAX processes would draw a "
+            "different noise seed in each process. Draw one seed once (e.g. "
+            "pergrad.aggregate.noise.fresh_seed() on process 0, sent to the others with your "
+            "launcher) and pass it as seed= on every process.")
 
 
 def _raise_if_refused(logs: dict) -> None:
