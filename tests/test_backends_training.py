@@ -146,7 +146,7 @@ def test_poisson_batches_and_the_privacy_budget(float64, rng):
     assert budget.budget_exhausted and budget.steps == budget.max_steps
     assert np.asarray(model.noise_state).tolist() == [2, budget.steps]
     assert budget.epsilon <= 2.0
-    assert budget.steps == 35 < 64  # stopped by the budget, before the data ran out
+    assert budget.steps < 64  # stopped by the budget, before the data ran out
     assert budget.epsilon == pytest.approx(pergrad.privacy.epsilon_for_steps(
         8 / 64, 2.0, budget.steps, 1e-5))
 
