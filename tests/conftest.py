@@ -39,14 +39,64 @@ def pytest_configure(config):
         "markers", "all_backends: runs on every Keras backend (KERAS_BACKEND=jax runs only these)")
 
 
+# On PyTorch only pergrad.PerExample and direct aggregator calls are ported (docs/backends.md,
+# "PyTorch"). The marked tests of these modules test parts that are not ported and do not refuse
+# on PyTorch with an error of their own: they are skipped there, with the gap as the reason.
+_NOT_ON_TORCH = {
+    "test_stats.py": "pergrad.stats is not ported to the PyTorch backend (docs/backends.md)",
+    "test_label_errors.py": "pergrad.stats is not ported to the PyTorch backend "
+                            "(docs/backends.md)",
+    "test_monitor.py": "GradientMonitor is not ported to the PyTorch backend "
+                       "(docs/backends.md)",
+    "test_jacobian.py": "pergrad.jacobian is not ported to the PyTorch backend "
+                        "(docs/backends.md)",
+    "test_compat.py": "_compat.held_value serves PerExampleModel's fit, which is not ported to "
+                      "the PyTorch backend (docs/backends.md)",
+}
+# Where the PyTorch engine is tested: here a NotImplementedError is a failure like any other.
+_TORCH_PORTED = ("test_engine_oracle.py", "test_backends.py", "test_rules_", "test_losses.py",
+                 "test_aggregate_backends.py")
+# The entry points documented as not ported to PyTorch: only their refusal becomes a skip.
+_NOT_PORTED_TO_TORCH = ("pergrad.keras.PerExampleModel", "pergrad.keras.GradientMonitor",
+                        "pergrad.keras.fit_distributed", "pergrad.jacobian", "pergrad.hessian",
+                        "pergrad.stats.")
+
+
 def pytest_collection_modifyitems(config, items):
     """On a backend other than TensorFlow only the tests marked ``all_backends`` run; the rest
-    test TensorFlow-only parts (tf.distribute, the monitor, Jacobians, the CLI) and are
-    deselected."""
-    if keras.backend.backend() == "tensorflow":
+    test TensorFlow-only parts (tf.distribute, TF-specific fast paths and graphs, the
+    subprocess tests, which launch their JAX children from the TensorFlow run) and are
+    deselected. On PyTorch the marked tests of the parts not ported yet are skipped, each with
+    the gap as its reason."""
+    backend = keras.backend.backend()
+    if backend == "tensorflow":
         return
     selected = [item for item in items if item.get_closest_marker("all_backends")]
     deselected = [item for item in items if not item.get_closest_marker("all_backends")]
     if deselected:
         config.hook.pytest_deselected(items=deselected)
         items[:] = selected
+    if backend == "torch":
+        for item in items:
+            reason = _NOT_ON_TORCH.get(item.path.name)
+            if reason is not None:
+                item.add_marker(pytest.mark.skip(reason=reason))
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    """On PyTorch, a marked test outside the ported modules that stops at a documented gap (a
+    ``NotImplementedError`` naming the backend and docs/backends.md, as ``PerExampleModel``
+    raises) is reported as skipped with that error as its reason; every other error fails."""
+    outcome = yield
+    report = outcome.get_result()
+    if (keras.backend.backend() != "torch" or call.excinfo is None or report.when != "call"
+            or item.path.name.startswith(_TORCH_PORTED)
+            or not call.excinfo.errisinstance(NotImplementedError)):
+        return
+    message = str(call.excinfo.value)
+    if "'torch'" in message and "docs/backends.md" in message \
+            and message.startswith(_NOT_PORTED_TO_TORCH):
+        report.outcome = "skipped"
+        report.longrepr = (str(item.path), item.location[1] or 0,
+                           f"Skipped: not ported to PyTorch: {message.splitlines()[0][:200]}")

@@ -31,7 +31,8 @@ def test_new_weights_are_read_without_retracing(float64):
     expected, _ = loop_gradients(case.model, keras_loss(case.loss), case.x, case.y)
     assert_close(after, _flat_norms(expected), what="norms after set_weights")
     assert not np.allclose(before, after)
-    assert pex.trace_counts["norms"] == 1
+    # PyTorch runs eagerly: nothing is traced, ever.
+    assert pex.trace_counts["norms"] == (0 if backend.is_torch() else 1)
 
 
 def test_a_new_batch_size_traces_once_more(float64):
@@ -97,21 +98,51 @@ def test_clipped_sum_inside_a_compiled_step_of_ones_own(float64):
         assert_close(g, np.tensordot(factors, e, axes=1) / 5.0)
 
 
-@pytest.mark.skipif(backend.is_tensorflow(), reason="every part runs on TensorFlow")
+@pytest.mark.skipif(not backend.is_jax(), reason="JAX's unported parts; PyTorch's are tested "
+                    "by test_parts_not_ported_to_torch_say_so, TensorFlow runs every part")
 def test_parts_not_yet_ported_say_so():
     model = zoo.mlp().model
     with pytest.raises(NotImplementedError, match="TensorFlow backend only.*docs/backends.md"):
-        pergrad.keras.GradientMonitor()
-    with pytest.raises(NotImplementedError, match="monitor.*TensorFlow backend only"):
-        pergrad.keras.PerExampleModel(model, monitor=object())
-    with pytest.raises(NotImplementedError, match="TensorFlow backend only"):
+        pergrad.keras.fit_distributed(model)
+
+
+@pytest.mark.skipif(not backend.is_torch(), reason="the parts not ported to PyTorch")
+def test_parts_not_ported_to_torch_say_so():
+    """On PyTorch only PerExample and direct aggregator calls are ported: everything else
+    refuses to run, naming the backend and docs/backends.md, never running silently wrong."""
+    model = zoo.mlp().model
+    with pytest.raises(NotImplementedError,
+                       match="PerExampleModel runs on the Keras backends tensorflow, jax; this "
+                             "process runs 'torch'.*docs/backends.md"):
+        pergrad.keras.PerExampleModel(model)
+    with pytest.raises(NotImplementedError, match="PerExampleModel.*'torch'"):
+        pergrad.keras.PerExampleModel(model, aggregator=pergrad.aggregate.dp_mean(
+            l2_norm_clip=1.0, noise_multiplier=1.0, seed=0))
+    with pytest.raises(NotImplementedError, match="'torch'.*docs/backends.md"):
         pergrad.jacobian(model)
+    with pytest.raises(NotImplementedError, match="'torch'"):
+        pergrad.keras.fit_distributed(model, np.zeros((2, 6)), np.zeros(2), batch_size=2,
+                                      epochs=1, checkpoint_dir="unused")
+    pex = pergrad.PerExample(model, "mse")
+    x, y = np.zeros((2, 6), "float32"), np.zeros((2, 3), "float32")
+    with pytest.raises(NotImplementedError, match="pergrad.stats.gradient_statistics.*'torch'"):
+        pergrad.stats.gradient_statistics(pex, x, y)
+    with pytest.raises(NotImplementedError, match="pergrad.stats.gram.*'torch'"):
+        pergrad.stats.gram(pex, x, y)
+    with pytest.raises(NotImplementedError, match="pergrad.stats.influence.*'torch'"):
+        pergrad.stats.influence(model, "mse", [], x, y, x, y)
+    with pytest.raises(NotImplementedError, match="GradientMonitor.*'torch'.*docs/backends.md"):
+        pergrad.keras.GradientMonitor()
 
 
 def test_an_unsupported_backend_is_named(monkeypatch):
+    monkeypatch.setattr(keras.backend, "backend", lambda: "numpy")
+    with pytest.raises(NotImplementedError, match="'numpy'.*KERAS_BACKEND=jax"):
+        backend.require_supported("pergrad's engine", backend.ENGINE_SUPPORTED)
     monkeypatch.setattr(keras.backend, "backend", lambda: "torch")
-    with pytest.raises(NotImplementedError, match="'torch'.*KERAS_BACKEND=jax"):
-        backend.require_supported("pergrad's engine")
+    assert backend.require_supported("pergrad's engine", backend.ENGINE_SUPPORTED) == "torch"
+    with pytest.raises(NotImplementedError, match="'torch'.*On PyTorch only pergrad.PerExample"):
+        backend.require_supported("pergrad.keras.PerExampleModel")
 
 
 def test_recurrent_layers_in_training_mode_match_the_oracle(float64):
@@ -145,6 +176,11 @@ def test_dropout_inside_a_generic_layer_is_exact_for_the_mask_drawn(float64):
     if backend.is_jax():
         import jax
         expected = jax.grad(batch_loss)(values)
+    elif backend.is_torch():
+        import torch
+        values = [v.detach().clone().requires_grad_() for v in values]
+        with torch.enable_grad():
+            expected = torch.autograd.grad(batch_loss(values), values)
     else:
         import tensorflow as tf
         values = [tf.convert_to_tensor(v) for v in values]

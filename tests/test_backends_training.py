@@ -179,15 +179,22 @@ def test_direct_noisy_calls_never_repeat_their_noise(float64, rng):
         assert not np.allclose(np.asarray(a[0]), np.asarray(b[0]))
 
 
-def test_callback_lists_and_unsupported_loss_scaling(float64, rng):
+def test_callback_lists_and_loss_scale_factor(float64, rng):
     x, y = _data(rng)
     model = PerExampleModel(_mlp(), aggregate.clip_mean(1.0))
     model.compile(optimizer=keras.optimizers.SGD(0.1), loss=MSE)
     history = keras.callbacks.History()
     callbacks = keras.callbacks.CallbackList([history], model=model)
     model.fit(x, y, batch_size=8, epochs=1, callbacks=callbacks, verbose=0)
-    if keras.backend.backend() == "jax":
-        scaled = PerExampleModel(_mlp(), aggregate.clip_mean(1.0))
-        scaled.compile(optimizer=keras.optimizers.SGD(0.1, loss_scale_factor=128.0), loss=MSE)
-        with pytest.raises(NotImplementedError, match="loss scaling"):
-            scaled.fit(x, y, batch_size=8, epochs=1, verbose=0)
+    # A fixed loss scale (the optimizer's loss_scale_factor) leaves the update unchanged.
+    weights = _mlp().get_weights()
+    updates = []
+    for factor in (None, 128.0):
+        inner = _mlp()
+        inner.set_weights(weights)
+        scaled = PerExampleModel(inner, aggregate.clip_mean(1.0))
+        scaled.compile(optimizer=keras.optimizers.SGD(0.1, loss_scale_factor=factor), loss=MSE)
+        scaled.fit(x, y, batch_size=8, epochs=1, verbose=0, shuffle=False)
+        updates.append(inner.get_weights())
+    for a, b in zip(*updates, strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-10, atol=1e-12)

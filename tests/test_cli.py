@@ -1,4 +1,7 @@
-"""The command line end to end, in subprocesses, with tiny settings."""
+"""The command line end to end, in subprocesses, with tiny settings.
+
+The in-process ``pergrad analyze`` tests are marked ``all_backends`` (they run on JAX in the JAX
+run); the subprocess tests run once, in the TensorFlow run, one of them on JAX."""
 
 from __future__ import annotations
 
@@ -14,6 +17,7 @@ import pytest
 
 from pergrad.demo import detection_scores, flip_labels
 
+BOTH = pytest.mark.all_backends
 
 def pergrad(*args: str, cwd=None, timeout: int = 300) -> subprocess.CompletedProcess:
     env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", MPLBACKEND="Agg")
@@ -50,6 +54,33 @@ def test_analyze_writes_the_report_and_finds_flipped_labels(tmp_path):
     header = (out / "metrics.csv").read_text().splitlines()[0].split(",")
     assert {"step", "loss", "noise_scale", "fraction_against_rest", "norm_p50"} <= set(header)
     assert "epoch" in done.stdout and "ROC AUC" in done.stdout
+
+
+def test_analyze_on_the_jax_backend(tmp_path):
+    """``KERAS_BACKEND=jax pergrad analyze``: the monitor, the label-error scores and TracIn on
+    JAX (its own process, whatever backend this one runs: once, in the TensorFlow run)."""
+    out = tmp_path / "report"
+    env = dict(os.environ, KERAS_BACKEND="jax", TF_CPP_MIN_LOG_LEVEL="2", MPLBACKEND="Agg")
+    done = subprocess.run([sys.executable, "-m", "pergrad", "analyze", "--epochs", "2",
+                           "--batch-size", "128", "--label-noise", "0.2", "--out", str(out)],
+                          capture_output=True, text=True, env=env, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["epochs"] == 2 and summary["examples"] == 1437
+    detection = summary["label_noise_detection"]
+    assert detection["default"]["k"] == round(0.2 * 1437)
+    assert detection["default"]["roc_auc"] > 0.7, detection  # random ranking gives 0.5
+    assert set(summary["final"]) >= {"loss", "accuracy", "noise_scale", "fraction_against_rest"}
+    rows = (out / "examples.csv").read_text().splitlines()
+    assert len(rows) == 1 + 1437
+    seen = [int(r.split(",")[4]) for r in rows[1:]]
+    assert seen == [2] * 1437  # every example in one batch per epoch, tracked by its index
+    metrics = (out / "metrics.csv").read_text().splitlines()
+    assert len(metrics) == 1 + 2 * 12  # one row per step: 12 batches of 128 per epoch
+    for name in ("report.png", "flagged_examples.png", "influence.png"):
+        assert (out / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert [len(e["most_helpful"]) for e in summary["influence"]] == [4] * 4
+    assert "ROC AUC" in done.stdout
 
 
 def test_analyze_dp_reports_epsilon(tmp_path):
@@ -135,6 +166,7 @@ def test_bench_runs_every_suite(tmp_path):
     assert "x plain Keras" in done.stdout and "tf.function tape" in done.stdout
 
 
+@BOTH
 def test_flip_labels_and_detection_scores():
     labels = np.arange(100) % 10
     noisy, flipped = flip_labels(labels, 0.25, seed=3)
@@ -167,6 +199,7 @@ def _tiny_classifier(path, inputs, classes: int, compiled: bool = True) -> None:
     model.save(path)
 
 
+@BOTH
 def test_analyze_your_own_model_and_arrays(tmp_path):
     rng = np.random.default_rng(0)
     x = rng.normal(size=(60, 4)).astype("float32")
@@ -185,6 +218,7 @@ def test_analyze_your_own_model_and_arrays(tmp_path):
     assert len(summary["influence"]) == 4
 
 
+@BOTH
 def test_analyze_a_folder_of_images_reports_paths(tmp_path):
     import keras
 
@@ -209,6 +243,7 @@ def test_analyze_a_folder_of_images_reports_paths(tmp_path):
     assert header.startswith("rank,index,path,given,seen")
 
 
+@BOTH
 def test_analyze_refuses_bad_data_in_one_line(tmp_path):
     from pergrad.cli import main
 
@@ -233,6 +268,7 @@ def test_analyze_refuses_bad_data_in_one_line(tmp_path):
         assert code == 2 and message in err.getvalue(), (args, err.getvalue())
 
 
+@BOTH
 def test_analyze_a_csv_table_with_named_classes(tmp_path):
     rng = np.random.default_rng(2)
     features = rng.normal(size=(40, 3))

@@ -93,8 +93,14 @@ def test_clipped_sum_drops_non_finite_examples(name, float64):
                                   "sample_weight_regularizers", "subclassed_raw_variable"])
 def test_baseline_strategies_match_loop_oracle(name, strategy, float64):
     case = zoo.ALL[name]()
-    expected, _ = _oracle(case)
     pex = pergrad.PerExample(case.model, case.loss, strategy=strategy)
+    if keras.backend.backend() == "torch" and strategy == "vmap" and name.startswith("conv"):
+        # A documented gap (docs/backends.md): Keras's torch Conv copies its input to
+        # channels_last, which torch.func.vmap refuses; the baseline says so instead of looping.
+        with pytest.raises(NotImplementedError, match="strategy='vmap' on the PyTorch backend"):
+            pex.gradients(case.x, case.y, case.sample_weight)
+        return
+    expected, _ = _oracle(case)
     grads = pex.gradients(case.x, case.y, case.sample_weight)
     for g, e in zip(grads, expected, strict=True):
         assert_close(g, e, what=f"{name}/{strategy}")

@@ -1,7 +1,12 @@
-"""pergrad.jacobian: compiled Jacobians, JVPs, VJPs, HVPs and Hessians.
+"""pergrad.jacobian: compiled Jacobians, JVPs, VJPs, HVPs and Hessians, on every backend.
 
-Oracles: GradientTape.jacobian / batch_jacobian and central finite differences, in float64
-on random non-zero inputs.
+Oracles, in float64 on random non-zero inputs, independent of pergrad's vectorized code: one
+vector-Jacobian product per output element in a Python loop (TensorFlow: tape.jacobian
+without pfor; JAX: jax.vjp, one call per one-hot cotangent), its diagonal blocks for batched
+Jacobians, and central finite differences in NumPy.
+
+The functions differentiated use the backend's NumPy (tf.experimental.numpy, jax.numpy):
+on JAX, Keras's own ops (keras.ops.sin, tanh, ...) return float32 for float64 inputs.
 """
 
 from __future__ import annotations
@@ -13,7 +18,6 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 import keras  # noqa: E402
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
-import tensorflow as tf  # noqa: E402
 from hypothesis import given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
@@ -28,13 +32,33 @@ from pergrad.jacobian import (  # noqa: E402
     vjp,
 )
 
-F64 = tf.float64
+ON_JAX = keras.backend.backend() == "jax"
+if ON_JAX:
+    import jax
+    import jax.numpy as xp
+else:
+    import tensorflow as tf
+
+    xp = tf.experimental.numpy
+
+pytestmark = pytest.mark.all_backends
+tf_only = pytest.mark.skipif(ON_JAX, reason="TensorFlow behaviour (tf.function, TensorSpec)")
+jax_only = pytest.mark.skipif(not ON_JAX, reason="JAX behaviour (jax.jit)")
+
+F64 = "float64"
 RTOL = 1e-6
 FD_RTOL = 1e-5
 
 
+@pytest.fixture(autouse=True)
+def _floatx64(float64):
+    """floatx float64: Keras layers and Python floats in float64 on both backends."""
+    yield
+
+
 def rand(*shape, seed=0, dtype=F64):
-    return tf.random.stateless_normal(shape, seed=[seed, 7], dtype=dtype)
+    values = np.random.default_rng([seed, 7]).normal(size=shape).astype(dtype)
+    return keras.ops.convert_to_tensor(values)
 
 
 def close(a, b, rtol=RTOL, atol=None):
@@ -46,8 +70,8 @@ def close(a, b, rtol=RTOL, atol=None):
 
 
 def assert_nested_close(a, b, rtol=RTOL):
-    tf.nest.assert_same_structure(a, b)
-    for x, y in zip(tf.nest.flatten(a), tf.nest.flatten(b), strict=True):
+    keras.tree.assert_same_structure(a, b)
+    for x, y in zip(keras.tree.flatten(a), keras.tree.flatten(b), strict=True):
         close(x, y, rtol)
 
 
@@ -59,31 +83,60 @@ def central_fd(f, x, eps=1e-6):
         d = np.zeros(x.size)
         d[i] = eps
         d = d.reshape(x.shape)
-        hi = np.asarray(f(tf.constant(x + d)))
-        lo = np.asarray(f(tf.constant(x - d)))
+        hi = np.asarray(f(keras.ops.convert_to_tensor(x + d)))
+        lo = np.asarray(f(keras.ops.convert_to_tensor(x - d)))
         cols.append((hi - lo) / (2 * eps))
     out_shape = cols[0].shape
     return np.stack(cols, axis=-1).reshape(out_shape + x.shape)
 
 
-def tape_jacobian(f, x):
-    """Oracle: a while_loop of gradients (no pfor), independent of the vectorized code."""
-    with tf.GradientTape(persistent=True) as tape:
-        tape.watch(x)
-        y = f(x)
-    return tape.jacobian(y, x, experimental_use_pfor=False)
+def oracle_jacobian(f, x):
+    """One VJP per output element, in a loop (no vectorization): shape (*out, *in)."""
+    if not ON_JAX:
+        with tf.GradientTape(persistent=True) as tape:
+            tape.watch(x)
+            y = f(x)
+        return np.asarray(tape.jacobian(y, x, experimental_use_pfor=False))
+    y, pullback = jax.vjp(f, x)
+    apply = jax.jit(lambda p, u: p(u)[0])
+    rows = [np.asarray(apply(pullback, e.reshape(y.shape))) for e in np.eye(y.size, dtype=y.dtype)]
+    return np.stack(rows).reshape(tuple(y.shape) + tuple(x.shape))
 
 
-def tape_batch_jacobian(f, x):
-    with tf.GradientTape(persistent=True) as tape:
+def oracle_batch_jacobian(f, x):
+    """The diagonal blocks J[b, ..., b, ...] of the full oracle Jacobian: (B, *ex(out), *ex(in))."""
+    full = oracle_jacobian(f, x)
+    batch = x.shape[0]
+    out_ex = full.shape[1 : full.ndim - len(x.shape)]
+    in_ex = tuple(x.shape[1:])
+    square = full.reshape(batch, int(np.prod(out_ex)), batch, int(np.prod(in_ex)))
+    return np.einsum("bmbn->bmn", square).reshape((batch, *out_ex, *in_ex))
+
+
+def oracle_grad(f, x):
+    """Gradient of a scalar f (tape / jax.grad)."""
+    if ON_JAX:
+        return jax.grad(f)(x)
+    with tf.GradientTape() as tape:
         tape.watch(x)
         y = f(x)
-    return tape.batch_jacobian(y, x, experimental_use_pfor=False)
+    return tape.gradient(y, x)
+
+
+def pure_call(model, training):
+    """The model as a function of its input alone, through stateless_call: writes nothing."""
+    trainable = [v.value for v in model.trainable_variables]
+    frozen = [v.value for v in model.non_trainable_variables]
+
+    def call(t):
+        return model.stateless_call(trainable, frozen, t, training=training)[0]
+
+    return call
 
 
 def mlp(n_in=4, hidden=6, n_out=3, dropout=None):
     layers = [keras.Input((n_in,), dtype="float64")]
-    layers.append(keras.layers.Dense(hidden, activation="tanh", dtype="float64"))
+    layers.append(keras.layers.Dense(hidden, activation="sigmoid", dtype="float64"))
     if dropout:
         layers.append(keras.layers.Dropout(dropout, dtype="float64"))
     layers.append(keras.layers.Dense(n_out, dtype="float64"))
@@ -96,8 +149,8 @@ def small_cnn():
     return keras.Sequential(
         [
             keras.Input((6, 6, 2), dtype="float64"),
-            keras.layers.Conv2D(3, 3, activation="tanh", dtype="float64"),
-            keras.layers.Conv2D(2, 2, strides=2, activation="tanh", dtype="float64"),
+            keras.layers.Conv2D(3, 3, activation="sigmoid", dtype="float64"),
+            keras.layers.Conv2D(2, 2, strides=2, activation="sigmoid", dtype="float64"),
             keras.layers.Flatten(dtype="float64"),
             keras.layers.Dense(4, dtype="float64"),
         ]
@@ -107,8 +160,8 @@ def small_cnn():
 def nested_f(inp):
     """Nested inputs {'a': (3,), 'b': (2, 2)} -> nested outputs (scalar, {'m': (2, 3)})."""
     a, b = inp["a"], inp["b"]
-    s = tf.reduce_sum(tf.sin(a)) * tf.reduce_prod(b)
-    m = tf.tanh(tf.matmul(b, tf.reshape(a, (1, 3)) * tf.ones((2, 1), F64)))
+    s = xp.sum(xp.sin(a)) * xp.prod(b)
+    m = xp.tanh(xp.matmul(b, xp.reshape(a, (1, 3)) * xp.ones((2, 1), F64)))
     return s, {"m": m}
 
 
@@ -127,7 +180,7 @@ def test_mlp_full_jacobian_matches_tape_and_fd(mode):
     jac = jacobian(model, mode=mode)
     J = jac(x)
     assert J.shape == (2, 3, 2, 4)
-    close(J, tape_jacobian(model, x))
+    close(J, oracle_jacobian(model, x))
     close(J, central_fd(model, x), FD_RTOL)
     assert jac.mode in ("rev", "fwd")
 
@@ -138,7 +191,7 @@ def test_cnn_input_jacobian_batched_matches_batch_jacobian_and_fd(mode):
     x = rand(3, 6, 6, 2, seed=4)
     J = jacobian(model, mode=mode, batched=True)(x)
     assert J.shape == (3, 4, 6, 6, 2)
-    close(J, tape_batch_jacobian(model, x))
+    close(J, oracle_batch_jacobian(model, x))
     close(J[1], central_fd(model, x[1:2])[0, :, 0], FD_RTOL)
 
 
@@ -157,19 +210,19 @@ def test_nested_inputs_and_outputs(mode):
                 return y if out_key is None else y[out_key]
 
             block = J[out_index] if out_key is None else J[out_index][out_key]
-            close(block[in_key], tape_jacobian(leaf_fn, x[in_key]))
+            close(block[in_key], oracle_jacobian(leaf_fn, x[in_key]))
             close(block[in_key], central_fd(leaf_fn, x[in_key]), FD_RTOL)
 
 
 def test_several_positional_args_and_argnums():
     def f(a, b, scale):
-        return tf.tanh(a * b) * scale
+        return xp.tanh(a * b) * scale
 
     a, b, scale = rand(3, seed=1), rand(3, seed=2), 1.5
     jac_all = jacobian(f, argnums=(0, 1))
     Ja, Jb = jac_all(a, b, scale)  # inner structure: the tuple of differentiated args
-    close(Ja, tape_jacobian(lambda v: f(v, b, scale), a))
-    close(Jb, tape_jacobian(lambda v: f(a, v, scale), b))
+    close(Ja, oracle_jacobian(lambda v: f(v, b, scale), a))
+    close(Jb, oracle_jacobian(lambda v: f(a, v, scale), b))
     Jb_only = jacobian(f, argnums=1, mode="fwd")(a, b, scale)
     close(Jb_only, Jb)
     # Default: every positional arg, as one tuple-shaped structure.
@@ -183,10 +236,10 @@ def test_non_square_fwd_and_rev_agree_and_auto_picks_cheaper():
     w_wide = rand(40, 3, seed=6)
 
     def tall(x):  # 3 inputs -> 40 outputs: forward mode needs 3 JVPs, reverse 40 VJPs
-        return tf.tanh(tf.linalg.matvec(w_tall, x, transpose_a=True))
+        return xp.tanh(xp.matmul(x, w_tall))
 
     def wide(x):  # 40 inputs -> 3 outputs
-        return tf.tanh(tf.linalg.matvec(w_wide, x, transpose_a=True))
+        return xp.tanh(xp.matmul(x, w_wide))
 
     for f, n_in, expected in [(tall, 3, "fwd"), (wide, 40, "rev")]:
         x = rand(n_in, seed=7)
@@ -195,7 +248,7 @@ def test_non_square_fwd_and_rev_agree_and_auto_picks_cheaper():
         J = auto(x)
         assert auto.mode == expected
         close(jacfwd(f)(x), jacrev(f)(x))
-        close(J, tape_jacobian(f, x))
+        close(J, oracle_jacobian(f, x))
         close(J, central_fd(f, x), FD_RTOL)
 
 
@@ -204,7 +257,7 @@ def test_auto_rule_boundary():
     x = rand(10, seed=3)
     for n_out, expected in [(15, "rev"), (16, "fwd")]:
         w = rand(10, n_out, seed=n_out)
-        jac = jacobian(lambda v, w=w: tf.sin(tf.linalg.matvec(w, v, transpose_a=True)))
+        jac = jacobian(lambda v, w=w: xp.sin(xp.matmul(v, w)))
         jac(x)
         assert jac.mode == expected
 
@@ -213,21 +266,21 @@ def test_auto_batched_uses_per_example_sizes():
     w = rand(2, 30, seed=8)
 
     def f(x):  # per example 2 -> 30, so forward mode even though B*2 > 30
-        return tf.sin(x @ w)
+        return xp.sin(x @ w)
 
     jac = jacobian(f, batched=True)
     x = rand(40, 2, seed=9)
     J = jac(x)
     assert jac.mode == "fwd"
-    close(J, tape_batch_jacobian(f, x))
+    close(J, oracle_batch_jacobian(f, x))
 
 
 def test_mixed_dtypes_and_empty_leaves():
     def f(inp):
         a, e = inp  # a: float32 (3,), e: float64 (0,), unused by one output
-        return {"y": tf.cast(tf.sin(a), F64) * 2.0, "z": tf.reduce_sum(e) + tf.cast(a[0], F64)}
+        return {"y": xp.asarray(xp.sin(a), F64) * 2.0, "z": xp.sum(e) + xp.asarray(a[0], F64)}
 
-    x = (tf.constant([0.1, 0.5, -0.3]), tf.zeros((0,), F64))
+    x = (rand(3, dtype="float32") * 0 + np.float32([0.1, 0.5, -0.3]), xp.zeros((0,), F64))
     ref = {
         "y": (np.diag(2 * np.cos([0.1, 0.5, -0.3])), np.zeros((3, 0))),
         "z": (np.array([1.0, 0.0, 0.0]), np.zeros((0,))),
@@ -261,16 +314,16 @@ def test_batched_equals_diagonal_blocks_of_full_jacobian(mode):
 def test_batched_nested_structures():
     def f(inp):
         u, v = inp
-        return {"p": tf.tanh(u[:, :2] * v), "q": tf.reduce_sum(u, axis=1) * v[:, 0]}
+        return {"p": xp.tanh(u[:, :2] * v), "q": xp.sum(u, axis=1) * v[:, 0]}
 
     u, v = rand(3, 4, seed=11), rand(3, 2, seed=12)
     for mode in ("rev", "fwd"):
         J = jacobian(f, mode=mode, batched=True)((u, v))
         assert J["p"][0].shape == (3, 2, 4) and J["p"][1].shape == (3, 2, 2)
         assert J["q"][0].shape == (3, 4) and J["q"][1].shape == (3, 2)
-        close(J["p"][0], tape_batch_jacobian(lambda t: f((t, v))["p"], u))
-        close(J["p"][1], tape_batch_jacobian(lambda t: f((u, t))["p"], v))
-        qu = tape_batch_jacobian(lambda t: f((t, v))["q"][:, None], u)[:, 0]
+        close(J["p"][0], oracle_batch_jacobian(lambda t: f((t, v))["p"], u))
+        close(J["p"][1], oracle_batch_jacobian(lambda t: f((u, t))["p"], v))
+        qu = oracle_batch_jacobian(lambda t: f((t, v))["q"][:, None], u)[:, 0]
         close(J["q"][0], qu)
 
 
@@ -312,10 +365,10 @@ def test_random_shapes_match_tape(n_in, n_out, batch, chunk):
     w = rand(n_in, n_out, seed=n_in * 10 + n_out)
 
     def f(x):
-        return tf.tanh(x @ w) * tf.reduce_sum(x, axis=1, keepdims=True)
+        return xp.tanh(x @ w) * xp.sum(x, axis=1, keepdims=True)
 
     x = rand(batch, n_in, seed=batch)
-    ref = tape_batch_jacobian(f, x)
+    ref = oracle_batch_jacobian(f, x)
     for mode in ("rev", "fwd"):
         close(jacobian(f, mode=mode, batched=True, chunk_size=chunk)(x), ref)
 
@@ -332,7 +385,7 @@ def test_attention_block_input_jacobian(mode):
     x = rand(8, 4, 6, seed=18)
     J = jacobian(model, mode=mode, batched=True)(x)
     assert J.shape == (8, 4, 5, 4, 6)
-    close(J, tape_batch_jacobian(model, x))
+    close(J, oracle_batch_jacobian(model, x))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -344,7 +397,7 @@ def test_keras_training_flag():
     x = rand(2, 4, seed=15)
     # Default training=False: dropout off, deterministic, equal to the inference tape.
     J = jacobian(model, batched=True)(x)
-    close(J, tape_batch_jacobian(lambda t: model(t, training=False), x))
+    close(J, oracle_batch_jacobian(pure_call(model, training=False), x))
 
     # training=True: a dropout mask is applied, the same for every VJP/JVP of one call.
     # Jacobian of the hidden layer (Dense -> Dropout) shows it: each unit's row is either
@@ -368,7 +421,7 @@ def test_batchnorm_training_full_jacobian():
         ]
     )
     x = rand(5, 3, seed=16)
-    ref = tape_jacobian(lambda t: model(t, training=True), x)  # mixes examples
+    ref = oracle_jacobian(pure_call(model, training=True), x)  # mixes examples
     for mode in ("rev", "fwd"):
         close(jacobian(model, mode=mode, training=True)(x), ref)
 
@@ -384,9 +437,9 @@ def test_jvp_and_vjp_match_jacobian():
     y, jv = jvp(nested_f, x, t)
     assert_nested_close(y, nested_f(x))
     # (J t)_k = sum_l J_kl . t_l
-    expected_s = sum(tf.reduce_sum(J[0][k] * t[k]) for k in ("a", "b"))
+    expected_s = sum(xp.sum(J[0][k] * t[k]) for k in ("a", "b"))
     close(jv[0], expected_s)
-    expected_m = sum(tf.tensordot(J[1]["m"][k], t[k], axes=t[k].shape.rank) for k in ("a", "b"))
+    expected_m = sum(xp.tensordot(J[1]["m"][k], t[k], axes=len(t[k].shape)) for k in ("a", "b"))
     close(jv[1]["m"], expected_m)
 
     u = (rand(seed=6), {"m": rand(2, 3, seed=7)})
@@ -394,51 +447,48 @@ def test_jvp_and_vjp_match_jacobian():
     assert_nested_close(y2, nested_f(x))
     g = vjp_fn(u)
     for k in ("a", "b"):
-        expected = u[0] * J[0][k] + tf.tensordot(u[1]["m"], J[1]["m"][k], axes=2)
+        expected = u[0] * J[0][k] + xp.tensordot(u[1]["m"], J[1]["m"][k], axes=2)
         close(g[k], expected)
 
 
 def test_jvp_vjp_tuple_primals_are_positional_args():
     def f(a, b):
-        return tf.sin(a) * b
+        return xp.sin(a) * b
 
     a, b = rand(3, seed=8), rand(3, seed=9)
     ta, tb = rand(3, seed=10), rand(3, seed=11)
     _, jv = jvp(f, (a, b), (ta, tb))
-    close(jv, tf.cos(a) * b * ta + tf.sin(a) * tb)
+    close(jv, xp.cos(a) * b * ta + xp.sin(a) * tb)
     _, vjp_fn = vjp(f, (a, b))
-    ga, gb = vjp_fn(tf.ones(3, F64))
-    close(ga, tf.cos(a) * b)
-    close(gb, tf.sin(a))
+    ga, gb = vjp_fn(xp.ones(3, F64))
+    close(ga, xp.cos(a) * b)
+    close(gb, xp.sin(a))
 
 
 def test_hvp_and_hessian_match_tape_and_fd():
     def f(inp):
-        return tf.reduce_sum(tf.sin(inp["p"]) * inp["q"] ** 2) + tf.reduce_prod(inp["p"])
+        return xp.sum(xp.sin(inp["p"]) * inp["q"] ** 2) + xp.prod(inp["p"])
 
     x = {"p": rand(3, seed=12), "q": rand(3, seed=13)}
     H = hessian(f)(x)
     for k1 in ("p", "q"):
         for k2 in ("p", "q"):
 
-            def grad_k1(v, k1=k1, k2=k2):
-                with tf.GradientTape() as tape:
-                    inp = {**x, k2: v}
-                    tape.watch(inp[k1])
-                    y = f(inp)
-                return tape.gradient(y, inp[k1])
+            def grad_k1(v, k1=k1, k2=k2):  # d f / d x[k1], as a function of x[k2]
+                point = {**x, k2: v}
+                return oracle_grad(lambda u, point=point: f({**point, k1: u}), point[k1])
 
-            close(H[k1][k2], tape_jacobian(grad_k1, x[k2]))
+            close(H[k1][k2], oracle_jacobian(grad_k1, x[k2]))
             close(H[k1][k2], central_fd(grad_k1, x[k2]), FD_RTOL)
     v = {"p": rand(3, seed=14), "q": rand(3, seed=15)}
     hv = hvp(f, x, v)
     for k1 in ("p", "q"):
-        close(hv[k1], sum(tf.linalg.matvec(H[k1][k2], v[k2]) for k2 in ("p", "q")))
+        close(hv[k1], sum(xp.matmul(H[k1][k2], v[k2]) for k2 in ("p", "q")))
 
 
 def test_batched_hessian_and_chunks():
     def f(x):  # one scalar per example
-        return tf.reduce_sum(tf.tanh(x) ** 3, axis=1) * tf.reduce_prod(x, axis=1)
+        return xp.sum(xp.tanh(x) ** 3, axis=1) * xp.prod(x, axis=1)
 
     x = rand(3, 4, seed=16)
     Hb = np.asarray(hessian(f, batched=True)(x))
@@ -454,18 +504,41 @@ def test_hvp_with_keras_weights_matches_double_tape():
     weights = model.trainable_variables
 
     def loss(ws):  # uses the model's variables, which are the primals
-        return tf.reduce_sum(model(x) ** 2)
+        return xp.sum(model(x) ** 2)
 
     v = [rand(*w.shape, seed=20 + i) for i, w in enumerate(weights)]
     hv = hvp(loss, weights, v)
-    with tf.GradientTape() as outer:
-        with tf.GradientTape() as inner:
-            y = loss(weights)
-        g = inner.gradient(y, weights)
-        gv = tf.add_n([tf.reduce_sum(gi * vi) for gi, vi in zip(g, v, strict=True)])
-    expected = outer.gradient(gv, weights)  # reverse-over-reverse oracle
+    expected = reverse_over_reverse(model, x, v)
+    assert len(hv) == len(expected) == 4
     for a, b in zip(hv, expected, strict=True):
         close(a, b)
+    # New weights are read at the next call, with no new trace.
+    model.set_weights([2 * w for w in model.get_weights()])
+    for a, b in zip(hvp(loss, weights, v), reverse_over_reverse(model, x, v), strict=True):
+        close(a, b)
+    assert trace_counts(loss) == {"hvp": 1}
+
+
+def reverse_over_reverse(model, x, v):
+    """H v of sum(model(x)^2) in the weights: the gradient of <grad, v> (no forward mode)."""
+    weights = model.trainable_variables
+    if ON_JAX:
+        frozen = [w.value for w in model.non_trainable_variables]
+
+        def loss_of(values):
+            return xp.sum(model.stateless_call(values, frozen, x)[0] ** 2)
+
+        def g_dot_v(values):
+            g = jax.grad(loss_of)(values)
+            return sum(xp.sum(gi * vi) for gi, vi in zip(g, v, strict=True))
+
+        return jax.grad(g_dot_v)([w.value for w in weights])
+    with tf.GradientTape() as outer:
+        with tf.GradientTape() as inner:
+            y = xp.sum(model(x) ** 2)
+        g = inner.gradient(y, weights)
+        gv = tf.add_n([xp.sum(gi * vi) for gi, vi in zip(g, v, strict=True)])
+    return outer.gradient(gv, weights)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -481,23 +554,67 @@ def test_same_signature_never_retraces_new_batch_size_at_most_once(mode):
     assert jac.trace_count == 1
     jac(rand(6, 4, seed=5))
     n = jac.trace_count
-    assert n <= 2
-    for batch in (7, 9, 2):
+    assert n == 2 if ON_JAX else n <= 2
+    for batch in (7, 9, 2, 7, 9):
         x = rand(batch, 4, seed=batch)
-        close(jac(x), tape_batch_jacobian(model, x))  # the batch-relaxed trace is right too
-    assert jac.trace_count == n
+        close(jac(x), oracle_batch_jacobian(model, x))  # the batch-relaxed trace is right too
+    # TensorFlow relaxes the batch dimension once; jax.jit traces each batch size once.
+    assert jac.trace_count == (n + 3 if ON_JAX else n)
 
 
+@pytest.mark.parametrize("mode", ["rev", "fwd"])
+def test_new_weights_are_read_without_retracing(mode):
+    """Compiled Jacobians and products read the variables at every call, whether f is the
+    model or a function that uses it (on JAX the variables' values are jit arguments)."""
+    model = mlp(n_in=3, hidden=5, n_out=2)
+    x = rand(4, 3, seed=30)
+
+    def uses_model(t):
+        return model(t) * 2.0
+
+    direct = jacobian(model, mode=mode, batched=True)
+    indirect = jacobian(uses_model, mode=mode, batched=True)
+    t = rand(4, 3, seed=31)
+    before = np.asarray(direct(x))
+    indirect(x)
+    jvp(uses_model, x, t)
+    rng = np.random.default_rng(5)
+    model.set_weights([w + 0.5 * rng.normal(size=w.shape) for w in model.get_weights()])
+    after = direct(x)
+    expected = oracle_batch_jacobian(pure_call(model, training=False), x)
+    close(after, expected)
+    close(indirect(x), 2 * expected)
+    _, tangent_out = jvp(uses_model, x, t)
+    close(tangent_out, 2 * np.einsum("boi,bi->bo", expected, np.asarray(t)))
+    assert not np.allclose(before, after)
+    assert direct.trace_count == indirect.trace_count == 1
+    assert trace_counts(uses_model) == {"jvp": 1}
+
+
+@pytest.mark.parametrize("mode", ["rev", "fwd"])
+def test_training_dropout_draws_a_new_mask_every_call(mode):
+    keras.utils.set_random_seed(7)
+    layer = keras.Sequential([keras.Input((3,), dtype=F64), keras.layers.Dense(20, dtype=F64),
+                              keras.layers.Dropout(0.5, dtype=F64)])
+    x = rand(2, 3, seed=32)
+    jac = jacobian(layer, mode=mode, batched=True, training=True)
+    masks = [np.all(np.asarray(jac(x)) == 0, axis=-1) for _ in range(3)]
+    assert all(m.any() and not m.all() for m in masks)
+    assert not (np.array_equal(masks[0], masks[1]) and np.array_equal(masks[1], masks[2]))
+    assert jac.trace_count == 1
+
+
+@tf_only
 @pytest.mark.parametrize("mode", ["rev", "fwd"])
 def test_unknown_batch_output_mismatch_fails_at_run_time(mode):
     # With a free batch dimension the output's batch size is only known when running.
     jac = jacobian(
-        lambda x: tf.tanh(x[:2]),
+        lambda x: xp.tanh(x[:2]),
         mode=mode,
         batched=True,
         input_signature=[tf.TensorSpec([None, 3], F64)],
     )
-    close(jac(rand(2, 3)), tape_batch_jacobian(lambda x: tf.tanh(x[:2]), rand(2, 3)))
+    close(jac(rand(2, 3)), oracle_batch_jacobian(lambda x: xp.tanh(x[:2]), rand(2, 3)))
     with pytest.raises(
         tf.errors.InvalidArgumentError, match="output of f does not keep the batch size"
     ):
@@ -506,23 +623,24 @@ def test_unknown_batch_output_mismatch_fails_at_run_time(mode):
 
 def test_new_example_shape_traces_once_per_shape():
     def f(x):
-        return tf.sin(x) * tf.reduce_sum(x)
+        return xp.sin(x) * xp.sum(x)
 
     jac = jacobian(f)
-    close(jac(rand(3, seed=1)), tape_jacobian(f, rand(3, seed=1)))
-    close(jac(rand(5, seed=2)), tape_jacobian(f, rand(5, seed=2)))  # static 5, not relaxed
+    close(jac(rand(3, seed=1)), oracle_jacobian(f, rand(3, seed=1)))
+    close(jac(rand(5, seed=2)), oracle_jacobian(f, rand(5, seed=2)))  # static 5, not relaxed
     jac(rand(3, seed=3))
     jac(rand(5, seed=4))
     assert jac.trace_count == 2
 
 
+@tf_only
 def test_input_signature():
     model = mlp()
     spec = tf.TensorSpec([None, 4], F64)
     jac = jacobian(model, batched=True, input_signature=[spec])
     for batch in (2, 5, 3):
         x = rand(batch, 4, seed=batch)
-        close(jac(x), tape_batch_jacobian(model, x))
+        close(jac(x), oracle_batch_jacobian(model, x))
     assert jac.trace_count == 1
     with pytest.raises(ValueError, match="non-batch dimension"):
         jacobian(model, batched=True, input_signature=[tf.TensorSpec([None, None], F64)])(
@@ -532,13 +650,13 @@ def test_input_signature():
 
 def test_one_shot_helpers_trace_once_per_f():
     def f(x):
-        return tf.reduce_sum(tf.sin(x) ** 2)
+        return xp.sum(xp.sin(x) ** 2)
 
     for seed in range(4):
         x, t = rand(5, seed=seed), rand(5, seed=seed + 10)
         jvp(f, x, t)
         _, vjp_fn = vjp(f, x)
-        vjp_fn(tf.constant(1.0, F64))
+        vjp_fn(keras.ops.convert_to_tensor(1.0, F64))
         hvp(f, x, t)
     assert trace_counts(f) == {"jvp": 1, "forward": 1, "vjp": 1, "hvp": 1}
 
@@ -549,7 +667,7 @@ def test_one_shot_cache_does_not_keep_f_alive():
 
     def make():
         def f(x):
-            return tf.reduce_sum(x**2)
+            return xp.sum(x**2)
 
         jvp(f, rand(2), rand(2))
         return weakref.ref(f)
@@ -565,25 +683,25 @@ def test_one_shot_cache_does_not_keep_f_alive():
 
 def test_error_unknown_mode():
     with pytest.raises(ValueError, match="mode must be one of 'auto', 'rev', 'fwd'.*'reverse'"):
-        jacobian(tf.sin, mode="reverse")
+        jacobian(xp.sin, mode="reverse")
 
 
 @pytest.mark.parametrize("bad", [0, -2, 1.5, True])
 def test_error_bad_chunk_size(bad):
     with pytest.raises(ValueError, match="chunk_size must be a positive integer"):
-        jacobian(tf.sin, chunk_size=bad)
+        jacobian(xp.sin, chunk_size=bad)
 
 
 def test_error_non_float_input_names_the_argument():
     with pytest.raises(TypeError, match=r"args\[0\]\['b'\] has dtype int32.*floating"):
-        jacobian(lambda d: d["a"])({"a": rand(2), "b": tf.constant([1, 2])})
+        jacobian(lambda d: d["a"])({"a": rand(2), "b": np.int32([1, 2])})
     with pytest.raises(TypeError, match=r"primals\[0\] has dtype int32"):
-        jvp(tf.sin, tf.constant([1, 2]), tf.constant([1, 2]))
+        jvp(xp.sin, np.int32([1, 2]), np.int32([1, 2]))
 
 
 def test_error_non_float_output():
-    with pytest.raises(TypeError, match="output.*int64.*floating outputs"):
-        jacobian(lambda x: tf.argmax(x))(rand(3))
+    with pytest.raises(TypeError, match="output.*int(32|64).*floating outputs"):
+        jacobian(lambda x: xp.argmax(x))(rand(3))
 
 
 def test_error_batched_mismatched_batch_sizes():
@@ -593,14 +711,14 @@ def test_error_batched_mismatched_batch_sizes():
 
 def test_error_batched_output_without_batch():
     with pytest.raises(ValueError, match="leading dimension 1 while the inputs have batch size 4"):
-        jacobian(lambda x: tf.reduce_sum(x, axis=0, keepdims=True), batched=True)(rand(4, 2))
+        jacobian(lambda x: xp.sum(x, axis=0, keepdims=True), batched=True)(rand(4, 2))
     with pytest.raises(ValueError, match="scalar"):
         jacobian(lambda x: x, batched=True)(rand())
 
 
 def test_error_training_on_plain_function():
     with pytest.raises(ValueError, match="training=True applies to Keras layers"):
-        jacobian(tf.sin, training=True)
+        jacobian(xp.sin, training=True)
 
 
 def test_error_argnums_out_of_range():
@@ -610,13 +728,22 @@ def test_error_argnums_out_of_range():
 
 def test_error_hessian_needs_scalar():
     with pytest.raises(ValueError, match="must return a scalar"):
-        hessian(tf.sin)(rand(3))
+        hessian(xp.sin)(rand(3))
     with pytest.raises(ValueError, match="one scalar per example"):
-        hessian(tf.sin, batched=True)(rand(2, 3))
+        hessian(xp.sin, batched=True)(rand(2, 3))
+
+
+@jax_only
+def test_jax_refuses_input_signature_and_variables_as_jacobian_arguments():
+    with pytest.raises(NotImplementedError, match="input_signature is a tf.function feature"):
+        jacobian(xp.sin, input_signature=[object()])
+    variable = keras.Variable(np.ones(3))
+    with pytest.raises(TypeError, match=r"args\[0\] is a Keras variable.*jvp/vjp/hvp"):
+        jacobian(lambda v: v * 2.0)(variable)
 
 
 def test_error_tangent_structure():
     with pytest.raises(ValueError, match="tangents must have the same nested structure"):
         jvp(lambda d: d["a"], {"a": rand(2)}, {"b": rand(2)})
     with pytest.raises(ValueError, match="shape"):
-        jvp(tf.sin, rand(2), rand(3))
+        jvp(xp.sin, rand(2), rand(3))

@@ -1,11 +1,11 @@
-"""Label-error scores, TracIn influence and the noise helpers against float64 computations."""
+"""Label-error scores, TracIn influence and the noise helpers against float64 computations
+(every test marked ``all_backends`` runs on TensorFlow and JAX)."""
 
 from __future__ import annotations
 
 import keras
 import numpy as np
 import pytest
-import tensorflow as tf
 from oracle import assert_close, keras_loss, loop_gradients
 
 import pergrad
@@ -23,6 +23,16 @@ from pergrad.stats.scores import loss_from_logits
 
 L = keras.layers
 SCCE = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+BOTH = pytest.mark.all_backends
+
+
+def _compiled(fn):
+    """``fn`` compiled as a user's own loop would be: ``tf.function`` or ``jax.jit``."""
+    if keras.backend.backend() == "jax":
+        import jax
+        return jax.jit(fn)
+    import tensorflow as tf
+    return tf.function(fn)
 
 
 def _softmax(z):
@@ -40,37 +50,39 @@ def _expected_class_scores(z, labels, from_logits):
             "correct": (z.argmax(axis=1) == labels).astype(float)}
 
 
+@BOTH
 @pytest.mark.parametrize("case", ["logits", "probabilities", "one_hot", "binary_logit",
                                   "binary_probability"])
 def test_class_scores_match_float64(case):
     rng = np.random.default_rng(0)
     labels = rng.integers(0, 4, 12)
     z = rng.normal(size=(12, 4)) * 3
+    f32 = np.float32
     if case == "logits":
-        got = class_scores(tf.constant(z, tf.float32), tf.constant(labels), True)
+        got = class_scores(z.astype(f32), labels, True)
         want = _expected_class_scores(z, labels, True)
     elif case == "probabilities":
         p = _softmax(z)
-        got = class_scores(tf.constant(p, tf.float32), tf.constant(labels[:, None]), False)
+        got = class_scores(p.astype(f32), labels[:, None], False)
         want = _expected_class_scores(p, labels, False)
     elif case == "one_hot":
-        got = class_scores(tf.constant(z, tf.float32), tf.constant(np.eye(4)[labels]), True)
+        got = class_scores(z.astype(f32), np.eye(4)[labels], True)
         want = _expected_class_scores(z, labels, True)
     else:
         labels = labels % 2
         logit = z[:, :1]
         if case == "binary_logit":  # a logit z is the two logits (0, z)
-            got = class_scores(tf.constant(logit, tf.float32), tf.constant(labels), True)
+            got = class_scores(logit.astype(f32), labels, True)
             want = _expected_class_scores(np.concatenate([0 * logit, logit], 1), labels, True)
         else:
             p = 1 / (1 + np.exp(-logit))
-            got = class_scores(tf.constant(p, tf.float32), tf.constant(labels.astype(float)),
-                               False)
+            got = class_scores(p.astype(f32), labels.astype(float), False)
             want = _expected_class_scores(np.concatenate([1 - p, p], 1), labels, False)
     for key, value in want.items():
         assert_close(got[key], value, rtol=1e-5, what=key)
 
 
+@BOTH
 def test_loss_from_logits():
     assert loss_from_logits(SCCE) is True
     assert loss_from_logits(keras.losses.CategoricalCrossentropy()) is False
@@ -90,16 +102,17 @@ def _data(n=10, seed=0):
     return rng.normal(size=(n, 5)).astype("float32"), rng.integers(0, 3, n)
 
 
+@BOTH
 def test_monitor_tables_match_float64(float64):
     """Two monitored steps at fixed weights: sums, learning-rate-weighted TracIn, margins, and a
     forgetting event where the second step's labels make every correct example wrong."""
     model = _model()
     x, _ = _data()
-    z = model(x).numpy()
+    z = keras.ops.convert_to_numpy(model(x))
     pred = z.argmax(axis=1)
     monitor = GradientMonitor(num_examples=len(x))
     pex = pergrad.PerExample(model, SCCE)
-    step = tf.function(lambda x, y, i, rate: monitor.compute(
+    step = _compiled(lambda x, y, i, rate: monitor.compute(
         pex.compute(x, y), indices=i, labels=y, learning_rate=rate, from_logits=True))
     step(x, pred, np.arange(len(x)), 0.5)        # every example correct
     wrong = (pred + 1) % 3
@@ -126,13 +139,14 @@ def _sq(model, x, y):
     return sum(np.sum(g.reshape(len(x), -1) ** 2, axis=1) for g in grads), losses
 
 
+@BOTH
 def test_per_example_model_feeds_labels_and_learning_rate(float64):
     """One full-batch SGD step: TracIn is lr * ||g_i||^2 and the margin that of the initial
     weights, both against the float64 loop."""
     model = _model(1)
     x, y = _data(8, 1)
     sq, _ = _sq(model, x, y)
-    z = model(x).numpy()
+    z = keras.ops.convert_to_numpy(model(x))
     monitor = GradientMonitor(num_examples=len(x))
     trainer = PerExampleModel(model, monitor=monitor)
     trainer.compile(optimizer=keras.optimizers.SGD(0.3), loss=SCCE)
@@ -144,6 +158,7 @@ def test_per_example_model_feeds_labels_and_learning_rate(float64):
                  what="margin")
 
 
+@BOTH
 def test_unknown_logits_warns_and_skips_class_scores():
     model = _model()
     x, y = _data()
@@ -159,6 +174,7 @@ def test_unknown_logits_warns_and_skips_class_scores():
     assert np.isfinite(scores["default"]).all()  # falls back to the scores that exist
 
 
+@BOTH
 def test_label_error_scores_and_ranking():
     n = 5
     table = {"seen": np.array([2, 2, 2, 2, 0]), "classified": np.array([2, 2, 2, 2, 0]),
@@ -229,6 +245,7 @@ def test_tracin_checkpoints_keep_weights_and_learning_rate():
         TracInCheckpoints(every_n_epochs=0)
 
 
+@BOTH
 def test_flip_classes_flips_only_sources():
     labels = np.repeat(np.arange(4), 10)
     noisy, flipped = flip_classes(labels, {1: 2, 3: 0}, 0.3, seed=0)
@@ -240,6 +257,7 @@ def test_flip_classes_flips_only_sources():
         flip_classes(labels, {1: 1}, 0.1)
 
 
+@BOTH
 def test_detection_benchmark_row_finds_flips():
     """One digits row of ``pergrad bench --suites label-errors``, shortened to 2 epochs."""
     import dataclasses

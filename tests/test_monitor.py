@@ -1,4 +1,7 @@
-"""GradientMonitor: statistics in the training step, CSV, TensorBoard events, per-example tracking."""
+"""GradientMonitor: statistics in the training step, CSV, TensorBoard events, per-example tracking.
+
+The tests marked ``all_backends`` run on TensorFlow and JAX; each compares with an independent
+float64 computation (NumPy), so both backends are held to the same numbers."""
 
 from __future__ import annotations
 
@@ -13,8 +16,11 @@ import tensorflow as tf
 from oracle import assert_close
 
 import pergrad
+from pergrad.keras import PerExampleModel
 from pergrad.keras.monitor import LOGGED_STATISTICS, GradientMonitor, csv_columns
 from pergrad.stats import BATCH_STATISTICS, gradient_statistics
+
+BOTH = pytest.mark.all_backends
 
 INDEX_KEY = "example_index"
 SCCE = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
@@ -22,7 +28,8 @@ N, BATCH, EPOCHS, ODD = 24, 8, 3, 13  # example ODD is mislabeled
 
 
 class MeanStep(keras.Model):
-    """A minimal per-example training step: the contract PerExampleModel follows with a monitor."""
+    """A minimal per-example training step on TensorFlow: the contract PerExampleModel follows
+    with a monitor."""
 
     def __init__(self, inner, loss, monitor):
         super().__init__()
@@ -62,18 +69,67 @@ def _inner():
     return keras.Sequential([keras.Input((3,)), keras.layers.Dense(2)])
 
 
-def _trainer(monitor, inner=None):
-    model = MeanStep(inner or _inner(), SCCE, monitor)
-    model.compile(optimizer=keras.optimizers.SGD(1e-3))
+def _trainer(monitor, inner=None, custom=False):
+    """SGD(1e-3) on the mean gradient with ``monitor``: ``PerExampleModel`` (any backend) or,
+    with ``custom=True``, the hand-written TensorFlow step :class:`MeanStep`."""
+    if custom:
+        model = MeanStep(inner or _inner(), SCCE, monitor)
+        model.compile(optimizer=keras.optimizers.SGD(1e-3))
+        return model
+    model = PerExampleModel(inner or _inner(), monitor=monitor)
+    model.compile(optimizer=keras.optimizers.SGD(1e-3), loss=SCCE)
     return model
 
 
+def _compiled(fn):
+    """``fn`` compiled as a user's own training loop would be: ``tf.function`` or ``jax.jit``."""
+    if keras.backend.backend() == "jax":
+        import jax
+        return jax.jit(fn)
+    return tf.function(fn)
+
+
+def _softmax(z):
+    e = np.exp(z - z.max(axis=1, keepdims=True))
+    return e / e.sum(axis=1, keepdims=True)
+
+
+def _dense_gradients(w, b, x, y):
+    """Per-example gradients ``(B, P)`` and losses of softmax cross-entropy on logits
+    ``x @ w + b``, by hand in float64."""
+    z = x @ w + b
+    p = _softmax(z)
+    onehot = np.eye(w.shape[1])[y]
+    d = p - onehot
+    grads = np.concatenate([(x[:, :, None] * d[:, None, :]).reshape(len(x), -1), d], axis=1)
+    losses = -np.log(p[np.arange(len(x)), y])
+    return grads, losses, z
+
+
+def _reference_statistics(g):
+    """Float64 norms, cosines to the batch and to the rest, and a few batch statistics, from
+    the materialized per-example gradients ``g`` ``(B, P)``."""
+    n = len(g)
+    norms = np.linalg.norm(g, axis=1)
+    mean = g.mean(axis=0)
+    cos = g @ mean / (norms * np.linalg.norm(mean))
+    unit = g / norms[:, None]
+    rest = unit.sum(axis=0)[None, :] - unit
+    cos_rest = np.sum(g * rest, axis=1) / (norms * np.linalg.norm(rest, axis=1))
+    variance = np.sum((g - mean) ** 2) / (n - 1)
+    return {"norms": norms, "cosine_to_batch": cos, "cosine_to_rest": cos_rest,
+            "batch_gradient_norm": np.linalg.norm(mean), "gradient_variance": variance,
+            "noise_scale": variance / np.sum(mean ** 2), "fraction_opposed": np.mean(cos < 0),
+            "fraction_against_rest": np.mean(cos_rest < 0)}
+
+
+@BOTH
 def test_fixed_order_tracking_csv_tensorboard_and_history(tmp_path, float64):
     x, y = _data()
     csv_path, log_dir = str(tmp_path / "stats.csv"), str(tmp_path / "tb")
     monitor = GradientMonitor(csv_path=csv_path, log_dir=log_dir)
     inner = _inner()
-    initial = [v.numpy() for v in inner.trainable_variables]
+    initial = inner.get_weights()
     model = _trainer(monitor, inner)
     with pytest.warns(UserWarning, match="sample order"):
         history = model.fit(x, y, batch_size=BATCH, epochs=EPOCHS, shuffle=False, verbose=0,
@@ -102,14 +158,19 @@ def test_fixed_order_tracking_csv_tensorboard_and_history(tmp_path, float64):
     assert [int(r["step"]) for r in rows] == list(range(steps))
     assert [int(r["epoch"]) for r in rows] == [s // (N // BATCH) for s in range(steps)]
     reference_model = _inner()
-    for v, value in zip(reference_model.trainable_variables, initial, strict=True):
-        v.assign(value)
+    reference_model.set_weights(initial)
     expected = gradient_statistics(pergrad.PerExample(reference_model, SCCE), x[:BATCH], y[:BATCH])
     for key in BATCH_STATISTICS:
         assert_close(float(rows[0][key]), expected[key], what=key)
-    assert_close(float(rows[0]["loss"]), np.mean(expected["losses"]), what="loss")
-    assert_close(float(rows[0]["norm_p50"]), np.quantile(expected["norms"], 0.5), what="p50")
-    assert_close(float(rows[0]["cosine_p10"]), np.quantile(expected["cosine_to_batch"], 0.1))
+    # ... and against gradients written out by hand in float64.
+    grads, losses, _ = _dense_gradients(*initial, x[:BATCH], y[:BATCH])
+    reference = _reference_statistics(grads)
+    for key in ("batch_gradient_norm", "gradient_variance", "noise_scale", "fraction_opposed",
+                "fraction_against_rest"):
+        assert_close(float(rows[0][key]), reference[key], what=key)
+    assert_close(float(rows[0]["loss"]), np.mean(losses), what="loss")
+    assert_close(float(rows[0]["norm_p50"]), np.quantile(reference["norms"], 0.5), what="p50")
+    assert_close(float(rows[0]["cosine_p10"]), np.quantile(reference["cosine_to_batch"], 0.1))
     assert len(monitor.history) == steps
 
     # TensorBoard: scalars for every statistic and histograms of norms and cosines, every step.
@@ -127,6 +188,7 @@ def test_fixed_order_tracking_csv_tensorboard_and_history(tmp_path, float64):
         assert sorted(tags[key]) == list(range(steps))
 
 
+@BOTH
 def test_supplied_indices_under_shuffling(float64):
     x, y = _data(1)
     permutation = np.random.default_rng(3).permutation(N)  # ODD sits elsewhere in the arrays
@@ -142,6 +204,7 @@ def test_supplied_indices_under_shuffling(float64):
     assert monitor.most_conflicting(3)[0] == ODD
 
 
+@BOTH
 def test_every_n_steps_skips_and_holds(float64):
     x, y = _data()
     monitor = GradientMonitor(every_n_steps=2, num_examples=N)
@@ -157,6 +220,7 @@ def test_every_n_steps_skips_and_holds(float64):
     assert history.history["noise_scale"][-1] == pytest.approx(monitor.history[-1]["noise_scale"])
 
 
+@BOTH
 def test_zero_weight_examples_are_not_counted(float64):
     x, y = _data()
     weight = np.ones(N)
@@ -169,27 +233,32 @@ def test_zero_weight_examples_are_not_counted(float64):
     assert seen[0] == 0 and seen[9] == 0 and seen.sum() == N - 2
 
 
+@BOTH
 def test_compute_in_a_custom_loop_grows_tables():
-    """No callback, no num_examples: compute() alone works and the tables grow to the indices."""
+    """No callback, no num_examples: compute() alone works (in the user's own compiled
+    function, and eagerly) and the tables grow to the indices."""
     inner = _inner()
     inner.build((None, 3))
     pex = pergrad.PerExample(inner, SCCE)
     monitor = GradientMonitor(every_n_steps=1)
     x, y = _data()
-
-    @tf.function
-    def step(x, y, indices):
-        return monitor.compute(pex.compute(x, y), indices=indices)
-
+    x = x.astype("float32")
+    step = _compiled(lambda x, y, indices: monitor.compute(pex.compute(x, y), indices=indices))
     for start in (0, 16):
-        stats = step(x[start:start + 8].astype("float32"), y[start:start + 8],
-                     tf.range(start, start + 8) * 2)
+        stats = step(x[start:start + 8], y[start:start + 8], np.arange(start, start + 8) * 2)
     assert set(stats) == set(LOGGED_STATISTICS)
-    assert stats["noise_scale"].dtype == tf.float32
+    assert keras.backend.standardize_dtype(stats["noise_scale"].dtype) == "float32"
     seen = monitor.example_table()["seen"]
     assert len(seen) == 2 * 23 + 1 and seen.sum() == 16 and seen[46] == 1
+    np.testing.assert_array_equal(np.flatnonzero(seen), np.r_[0:16:2, 32:48:2])
+    eager = monitor.compute(pex.compute(x[:8], y[:8]), indices=np.arange(8))
+    grads, _, _ = _dense_gradients(*[w.astype(np.float64) for w in inner.get_weights()],
+                                   x[:8].astype(np.float64), y[:8])
+    assert_close(eager["noise_scale"], _reference_statistics(grads)["noise_scale"], rtol=1e-4)
+    assert monitor.example_table()["seen"][:8].tolist() == [2, 1, 2, 1, 2, 1, 2, 1]
 
 
+@BOTH
 def test_rankings_follow_the_example_table():
     """most_conflicting ranks by mean cosine to the rest (default) or by opposed fraction."""
     inner = _inner()
@@ -197,9 +266,9 @@ def test_rankings_follow_the_example_table():
     pex = pergrad.PerExample(inner, SCCE)
     monitor = GradientMonitor()
     x, y = _data()
-    step = tf.function(lambda x, y, i: monitor.compute(pex.compute(x, y), indices=i))
+    step = _compiled(lambda x, y, i: monitor.compute(pex.compute(x, y), indices=i))
     for start in (0, 8, 16):
-        step(x[start:start + 8].astype("float32"), y[start:start + 8], tf.range(start, start + 8))
+        step(x[start:start + 8].astype("float32"), y[start:start + 8], np.arange(start, start + 8))
     table = monitor.example_table()
     seen = np.flatnonzero(table["seen"] > 0)
     by_rest = monitor.most_conflicting(5)
@@ -212,6 +281,7 @@ def test_rankings_follow_the_example_table():
         monitor.most_conflicting(3, against="median")
 
 
+@BOTH
 def test_bad_arguments():
     with pytest.raises(ValueError, match="every_n_steps"):
         GradientMonitor(every_n_steps=0)
@@ -219,6 +289,7 @@ def test_bad_arguments():
         GradientMonitor(num_examples=-3)
 
 
+@BOTH
 def test_with_per_example_model(tmp_path, float64):
     """The real PerExampleModel: fit adds the monitor, pops x["example_index"] into indices."""
     from pergrad.keras import INDEX_KEY as MODEL_INDEX_KEY
@@ -240,6 +311,7 @@ def test_with_per_example_model(tmp_path, float64):
         assert len(list(csv.DictReader(f))) == EPOCHS * N // BATCH
 
 
+@BOTH
 def test_a_nan_example_does_not_poison_the_monitor():
     """PerExampleModel drops a non-finite example; the monitor sees it as inactive."""
     from pergrad.keras import PerExampleModel
@@ -258,3 +330,135 @@ def test_a_nan_example_does_not_poison_the_monitor():
     assert np.all(np.isfinite(table["mean_cosine_to_rest"][finite]))
     assert np.isfinite(history.history["noise_scale"]).all()
     assert history.history["dropped_examples"] == [1.0, 1.0]
+
+
+@BOTH
+def test_tables_over_several_steps_match_a_float64_replay(float64):
+    """Three epochs of SGD with every second step monitored and the examples in a permuted order:
+    the per-example tables, the monitor's rows and the values a skipped step holds, against the
+    same training replayed by hand in float64 (gradients written out for a Dense softmax)."""
+    n, batch, classes, rate = 12, 4, 3, 0.5
+    rng = np.random.default_rng(7)
+    x = rng.normal(size=(n, 3))
+    y = rng.integers(0, classes, n)
+    order = rng.permutation(n)
+    keras.utils.set_random_seed(3)
+    inner = keras.Sequential([keras.Input((3,)), keras.layers.Dense(classes)])
+    w, b = inner.get_weights()
+    monitor = GradientMonitor(every_n_steps=2, num_examples=n)
+    model = PerExampleModel(inner, monitor=monitor)
+    model.compile(optimizer=keras.optimizers.SGD(rate), loss=SCCE)
+    history = model.fit({"x": x[order], INDEX_KEY: order}, y[order], batch_size=batch, epochs=3,
+                        shuffle=False, verbose=0)
+
+    columns = ("seen", "loss", "norm", "influence", "cosine", "rest", "margin", "error",
+               "forgotten", "last_correct", "learned", "last_loss")
+    want = {c: np.zeros(n) for c in columns}
+    rows = []
+    for step in range(3 * n // batch):
+        chosen = order[(step % 3) * batch:(step % 3 + 1) * batch]
+        g, losses, z = _dense_gradients(w, b, x[chosen], y[chosen])
+        if step % 2 == 0:
+            ref = _reference_statistics(g)
+            p, onehot = _softmax(z), np.eye(classes)[y[chosen]]
+            correct = (z.argmax(axis=1) == y[chosen]).astype(float)
+            own = z[np.arange(batch), y[chosen]]
+            for column, value in (
+                    ("seen", 1.0), ("loss", losses), ("norm", ref["norms"]),
+                    ("influence", rate * ref["norms"] ** 2), ("cosine", ref["cosine_to_batch"]),
+                    ("rest", ref["cosine_to_rest"]),
+                    ("margin", own - np.where(onehot > 0, -np.inf, z).max(axis=1)),
+                    ("error", np.linalg.norm(p - onehot, axis=1)),
+                    ("forgotten", want["last_correct"][chosen] * (1 - correct))):
+                want[column][chosen] += value
+            want["last_correct"][chosen] = correct
+            want["learned"][chosen] = np.maximum(want["learned"][chosen], correct)
+            want["last_loss"][chosen] = losses
+            rows.append((step, np.mean(losses), ref))
+        mean = g.mean(axis=0)
+        w, b = w - rate * mean[:-classes].reshape(w.shape), b - rate * mean[-classes:]
+
+    table = monitor.example_table()
+    seen = want["seen"]
+    np.testing.assert_array_equal(table["seen"], seen)
+    assert set(np.unique(seen)) == {1, 2}  # batches 0 and 2 twice, batch 1 once
+    for key, column in (("mean_loss", "loss"), ("mean_norm", "norm"), ("mean_cosine", "cosine"),
+                        ("mean_cosine_to_rest", "rest")):
+        assert_close(table[key], want[column] / seen, what=key)
+    assert_close(table["self_influence"], want["influence"], what="self_influence")
+    assert_close(table["last_loss"], want["last_loss"], what="last_loss")
+    assert_close(table["mean_margin"], want["margin"] / seen, rtol=1e-5, what="margin")
+    assert_close(table["mean_error_norm"], want["error"] / seen, rtol=1e-5, what="error_norm")
+    np.testing.assert_array_equal(table["forgetting_events"], want["forgotten"])
+    np.testing.assert_array_equal(table["learned"], want["learned"] > 0)
+    assert [r["step"] for r in monitor.history] == [r[0] for r in rows] == [0, 2, 4, 6, 8]
+    for got, (_, loss, ref) in zip(monitor.history, rows, strict=True):
+        assert_close(got["loss"], loss, what="loss")
+        for key in ("noise_scale", "batch_gradient_norm", "fraction_against_rest"):
+            assert_close(got[key], ref[key], what=key)
+    # Epochs end on steps 2 and 8 (monitored) and 5 (skipped: it holds step 4's values).
+    assert_close(history.history["noise_scale"],
+                 [rows[k][2]["noise_scale"] for k in (1, 2, 4)], what="held")
+
+
+@BOTH
+def test_the_monitor_changes_nothing_in_a_dp_step(float64):
+    """A monitor reads the step's raw per-example gradients and draws no noise: the same DP
+    model with and without it trains to the same weights and the same noise stream."""
+    from pergrad import aggregate
+
+    x, y = _data(2)
+    models = []
+    for monitor in (None, GradientMonitor(num_examples=N)):
+        keras.utils.set_random_seed(11)
+        if monitor is None:
+            model = PerExampleModel(_inner(), aggregate.dp_mean(1.0, 1.1, seed=5))
+        else:
+            with pytest.warns(UserWarning, match="not differentially private"):
+                model = PerExampleModel(_inner(), aggregate.dp_mean(1.0, 1.1, seed=5),
+                                        monitor=monitor)
+        model.compile(optimizer=keras.optimizers.SGD(0.1), loss=SCCE)
+        model.fit({"x": x, INDEX_KEY: np.arange(N)}, y, batch_size=BATCH, epochs=2,
+                  shuffle=False, verbose=0)
+        models.append(model)
+    plain, monitored = models
+    for a, b in zip(plain.get_weights(), monitored.get_weights(), strict=True):
+        np.testing.assert_array_equal(a, b)
+    assert monitored.monitor.example_table()["seen"].tolist() == [2] * N
+    assert not np.allclose(plain.model.get_weights()[0], _inner().get_weights()[0])
+
+
+@BOTH
+def test_a_step_refused_by_the_mixing_check_is_not_recorded():
+    """BatchNormalization in training mode mixes examples: the clipped model refuses the first
+    step, and the monitor counts nothing from it."""
+    from pergrad import MixesExamplesError, aggregate
+
+    x, y = _data()
+    inner = keras.Sequential([keras.Input((3,)), keras.layers.BatchNormalization(),
+                              keras.layers.Dense(2)])
+    monitor = GradientMonitor(num_examples=N)
+    model = PerExampleModel(inner, aggregate.clip_mean(1.0), monitor=monitor)
+    model.compile(optimizer=keras.optimizers.SGD(0.1), loss=SCCE)
+    with pytest.raises(MixesExamplesError):
+        model.fit({"x": x.astype("float32"), INDEX_KEY: np.arange(N)}, y, batch_size=BATCH,
+                  epochs=1, verbose=0)
+    assert monitor.example_table()["seen"].sum() == 0 and monitor.history == []
+
+
+def test_a_custom_tensorflow_train_step_follows_the_same_contract(float64):
+    """The hand-written step :class:`MeanStep` and ``PerExampleModel`` fill the same tables."""
+    x, y = _data(3)
+    tables = []
+    for custom in (True, False):
+        inner = _inner()
+        inner.set_weights([np.full((3, 2), 0.3), np.array([0.1, -0.2])])
+        monitor = GradientMonitor(num_examples=N)
+        model = _trainer(monitor, inner, custom=custom)
+        model.fit({"x": x, INDEX_KEY: np.arange(N)}, y, batch_size=BATCH, epochs=2,
+                  shuffle=False, verbose=0, callbacks=[monitor])
+        tables.append(monitor.example_table())
+    for key in ("seen", "mean_cosine", "mean_cosine_to_rest", "mean_loss", "mean_norm"):
+        assert_close(tables[0][key], tables[1][key], what=key)
+    # MeanStep passes no learning rate (TracIn then weighs every step by 1), PerExampleModel 1e-3.
+    assert_close(1e-3 * tables[0]["self_influence"], tables[1]["self_influence"])

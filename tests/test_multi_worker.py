@@ -7,10 +7,8 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import keras
@@ -20,6 +18,7 @@ import pytest
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 import multi_worker_script as script  # noqa: E402
+from processes import run_bounded  # noqa: E402
 
 from pergrad import aggregate  # noqa: E402
 from pergrad.bench.multi_worker import free_ports  # noqa: E402
@@ -31,22 +30,8 @@ def _launch(mode: str, out: Path) -> list[subprocess.CompletedProcess]:
     """Both workers of ``mode``; each is stopped by its own process id when time runs out."""
     ports = ",".join(map(str, free_ports(2)))
     env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", CUDA_VISIBLE_DEVICES="")
-    procs = [subprocess.Popen([sys.executable, str(HERE / "multi_worker_script.py"), str(i),
-                               ports, mode, str(out)], stdout=subprocess.PIPE,
-                              stderr=subprocess.PIPE, text=True, env=env) for i in range(2)]
-    deadline = time.monotonic() + TIMEOUT
-    results = []
-    try:
-        for proc in procs:
-            stdout, stderr = proc.communicate(timeout=max(1.0, deadline - time.monotonic()))
-            results.append(subprocess.CompletedProcess(proc.args, proc.returncode, stdout,
-                                                       stderr))
-    finally:
-        for proc in procs:
-            if proc.poll() is None:
-                os.kill(proc.pid, signal.SIGKILL)
-                proc.wait()
-    return results
+    return run_bounded([[sys.executable, str(HERE / "multi_worker_script.py"), str(i), ports,
+                         mode, str(out)] for i in range(2)], TIMEOUT, env)
 
 
 def _single_process(aggregator, epochs: int = 1, **fit) -> list[np.ndarray]:

@@ -96,6 +96,8 @@ def gaussian_noise(key, values: list, stddev: float) -> list:
     every call of the compiled function, i.e. the same noise at every step."""
     if backend.is_jax():
         return _jax_gaussian_noise(key, values, stddev)
+    if backend.is_torch():
+        return _torch_gaussian_noise(key, values, stddev)
     import tensorflow as tf
     keys = split(key, len(values))
     return [tf.random.stateless_normal(tf.shape(v), keys[k], stddev=stddev, dtype=v.dtype)
@@ -126,6 +128,27 @@ def _jax_gaussian_noise(key, values: list, stddev: float) -> list:
     return [stddev * jax.random.normal(keys[k], v.shape, v.dtype) for k, v in enumerate(values)]
 
 
+def _torch_gaussian_noise(key, values: list, stddev: float) -> list:
+    """PyTorch: TensorFlow's ``stateless_normal`` with the same split keys (the same numbers as
+    on TensorFlow for the same key), drawn on the host and copied to each value's device."""
+    import tensorflow as tf
+    import torch
+
+    key = np.asarray(check_key(key).detach().cpu())
+    keys = tf.random.experimental.stateless_split(tf.constant(key), num=len(values))
+    out = []
+    for k, v in enumerate(values):
+        dtype = keras.backend.standardize_dtype(v.dtype)
+        # NumPy has no bfloat16 torch can read: half precision is drawn as TF draws it, then
+        # cast in torch.
+        wide = "float32" if dtype in ("float16", "bfloat16") else dtype
+        draw = tf.random.stateless_normal(list(v.shape), keys[k], stddev=stddev,
+                                          dtype=tf.as_dtype(dtype))
+        draw = torch.from_numpy(tf.cast(draw, wide).numpy())
+        out.append(draw.to(device=v.device, dtype=v.dtype))
+    return out
+
+
 def check_key(key) -> Any:
     """``key`` as an ``int64`` tensor of shape ``(2,)``, or a ``ValueError`` saying what a key is."""
     if key is None:
@@ -154,8 +177,8 @@ class NoiseStream:
 
     TensorFlow: ``next_key()`` works eagerly and inside ``tf.function`` (the variable is
     created outside any function graph on first use). Not for ``tf.distribute`` replica
-    functions: there the model's own stream (a mirrored variable) is used. JAX: the state is a
-    host-side counter; call ``next_key()`` outside ``jax.jit`` and pass the key into the
+    functions: there the model's own stream (a mirrored variable) is used. PyTorch: a
+    host-side counter (everything runs eagerly). JAX: the state is a host-side counter; call ``next_key()`` outside ``jax.jit`` and pass the key into the
     compiled step as an argument (a key drawn while tracing would be a constant of the trace,
     which :func:`gaussian_noise` refuses).
     """
@@ -167,9 +190,9 @@ class NoiseStream:
     @property
     def state(self) -> Any:
         """The ``[seed, counter]`` state: a ``tf.Variable`` on TensorFlow, a NumPy array on
-        JAX (created on first access)."""
+        JAX and PyTorch (created on first access)."""
         if self._state is None:
-            if backend.is_jax():
+            if backend.is_jax() or backend.is_torch():
                 self._state = np.array(initial_state(self.seed), np.int64)
             else:
                 import tensorflow as tf
@@ -184,6 +207,11 @@ class NoiseStream:
             # A host array, never converted here: drawn while tracing it stays a constant of
             # the trace, which gaussian_noise refuses (it would repeat at every call).
             require_64_bit_keys()
+            state = self.state
+            key = state.copy()
+            state[1] += 1
+            return key
+        if backend.is_torch():
             state = self.state
             key = state.copy()
             state[1] += 1

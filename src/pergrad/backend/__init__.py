@@ -3,14 +3,19 @@
 Rules, forms and aggregators are written once on :mod:`keras.ops`; this package adds the handful
 of array primitives ``keras.ops`` lacks (:mod:`pergrad.backend.ops`) and says which backend is
 running. The engine's per-backend parts (how one forward pass is recorded and how one backward
-pass reaches the taps) live in :mod:`pergrad.engine.tensorflow` and :mod:`pergrad.engine.jax`.
+pass reaches the taps) live in :mod:`pergrad.engine.on_tensorflow`, :mod:`pergrad.engine.on_jax`
+and :mod:`pergrad.engine.on_torch`.
 """
 
 from __future__ import annotations
 
 import keras
 
+# Where the backend-neutral core runs whole: the engine, the aggregators, PerExampleModel, stats.
 SUPPORTED = ("tensorflow", "jax")
+# Where the engine runs: pergrad.PerExample, per_example_gradients/norms, direct aggregator
+# calls. On PyTorch only these are ported (docs/backends.md, "PyTorch").
+ENGINE_SUPPORTED = ("tensorflow", "jax", "torch")
 
 
 def name() -> str:
@@ -26,17 +31,23 @@ def is_jax() -> bool:
     return name() == "jax"
 
 
-def require_supported(what: str = "pergrad") -> str:
-    """The backend's name, or a ``NotImplementedError`` that says which backends work."""
+def is_torch() -> bool:
+    return name() == "torch"
+
+
+def require_supported(what: str = "pergrad", backends: tuple = SUPPORTED) -> str:
+    """The backend's name, or a ``NotImplementedError`` that says which backends run ``what``
+    (``backends``: :data:`SUPPORTED` unless given, :data:`ENGINE_SUPPORTED` for the engine)."""
     backend = name()
-    if backend not in SUPPORTED:
+    if backend not in backends:
+        on_torch = (" On PyTorch only pergrad.PerExample (gradients, norms, losses, dot, "
+                    "clipped_sum, check) and direct calls of the pergrad.aggregate aggregators "
+                    "are ported so far." if backend == "torch" else "")
         raise NotImplementedError(
-            f"{what} runs on the Keras backends {', '.join(SUPPORTED)}; this process runs "
+            f"{what} runs on the Keras backends {', '.join(backends)}; this process runs "
             f"{backend!r}. Set KERAS_BACKEND=jax or KERAS_BACKEND=tensorflow before importing "
-            "keras. The PyTorch backend is not supported yet (docs/backends.md).")
+            f"keras.{on_torch} See docs/backends.md for what works where.")
     return backend
-
-
 
 
 def require_tensorflow(what: str) -> None:
@@ -45,10 +56,10 @@ def require_tensorflow(what: str) -> None:
     if not is_tensorflow():
         raise NotImplementedError(
             f"{what} runs on the TensorFlow backend only in this release; this process runs "
-            f"Keras on {name()!r}. On JAX, pergrad.PerExample (gradients, norms, losses, dot, "
-            "clipped_sum, check) and pergrad.privacy work; see docs/backends.md for what works "
-            "where, or set KERAS_BACKEND=tensorflow.")
+            f"Keras on {name()!r}. On JAX, train on several devices or processes with "
+            "keras.distribution.DataParallel and PerExampleModel.fit (docs/distributed.md); on "
+            "PyTorch only pergrad.PerExample is ported. docs/backends.md says what works where.")
 
 
-__all__ = ["SUPPORTED", "is_jax", "is_tensorflow", "name", "require_supported",
-           "require_tensorflow"]
+__all__ = ["ENGINE_SUPPORTED", "SUPPORTED", "is_jax", "is_tensorflow", "is_torch", "name",
+           "require_supported", "require_tensorflow"]

@@ -15,7 +15,7 @@ from typing import Any
 import keras
 from keras import ops
 
-from pergrad.backend import is_jax, is_tensorflow
+from pergrad.backend import is_jax, is_tensorflow, is_torch
 
 
 def batch_size(t: Any) -> Any:
@@ -62,6 +62,10 @@ def vjp(fn: Callable[[Any], Any], primal: Any, cotangent: Any) -> Any:
         import jax
         _, pullback = jax.vjp(fn, primal)
         return pullback(cotangent)[0]
+    if is_torch():
+        import torch
+        _, pullback = torch.func.vjp(fn, primal)
+        return pullback(cotangent)[0]
     raise NotImplementedError(f"vjp has no {keras.backend.backend()} definition")
 
 
@@ -70,11 +74,26 @@ def trace_token() -> Any:
 
     A tensor built inside a TensorFlow ``tf.cond`` branch cannot be used outside it, so a form
     caches per graph. Under ``jax.jit`` XLA merges repeated subcomputations itself, so JAX needs
-    no cache (and a tracer must never leak out of a ``lax.cond`` branch)."""
+    no cache (and a tracer must never leak out of a ``lax.cond`` branch). PyTorch runs eagerly:
+    one token for the process, so a form's intermediates are computed once and shared."""
     if is_tensorflow():
         from pergrad._compat import current_graph
         return current_graph()
+    if is_torch():
+        return _EAGER
     return None
+
+
+_EAGER = object()
+
+
+def snapshot(t: Any) -> Any:
+    """``t``'s value now, unchanged by later writes to the variable it was read from: ``t``
+    itself on TensorFlow and JAX (values are immutable), a copy on PyTorch, where Keras assigns
+    a variable in place (``copy_``) and ``variable.value`` is the variable's own storage."""
+    if is_torch():
+        return t.detach().clone()
+    return t
 
 
 def static_or_none(dim: Any) -> int | None:
@@ -95,7 +114,7 @@ def is_floating(dtype: Any) -> bool:
 
 def wide_float() -> str:
     """float64 where the backend computes in it: always on TensorFlow, on JAX only with
-    ``jax_enable_x64`` (else float32)."""
+    ``jax_enable_x64`` (else float32); always on PyTorch."""
     if is_jax():
         import jax
         return "float64" if jax.config.jax_enable_x64 else "float32"

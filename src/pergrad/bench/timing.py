@@ -36,15 +36,20 @@ def median_seconds(fn: Callable[[], object], *, repeats: int = 7, budget_s: floa
 
 def script_main(description: str, run: Callable[..., list[dict]],
                 markdown: Callable[[list[dict]], str], argv: list[str] | None = None,
-                quick_help: str = "fewer repeats") -> int:
-    """The command line of a benchmark module: ``[--quick] [--json PATH]``, prints the table."""
+                quick_help: str = "fewer repeats",
+                add_arguments: Callable[[argparse.ArgumentParser], None] | None = None) -> int:
+    """The command line of a benchmark module: ``[--quick] [--json PATH]`` and the options
+    ``add_arguments`` adds (passed to ``run`` as keywords); prints the table."""
     parser = argparse.ArgumentParser(description=description)
     parser.add_argument("--quick", action="store_true", help=quick_help)
     parser.add_argument("--json", metavar="PATH", help="also write the rows as JSON")
-    args = parser.parse_args(argv)
-    rows = run(quick=args.quick)
+    if add_arguments is not None:
+        add_arguments(parser)
+    args = vars(parser.parse_args(argv))
+    path = args.pop("json")
+    rows = run(**args)
     print(markdown(rows))
-    if args.json:
-        with open(args.json, "w") as handle:
+    if path:
+        with open(path, "w") as handle:
             json.dump(rows, handle, indent=2)
     return 0

@@ -193,6 +193,9 @@ def _run(args: argparse.Namespace) -> int:
     from pergrad.keras import GradientMonitor, PrivacyCallback
 
     start = time.perf_counter()
+    if keras.backend.backend() == "jax":
+        import jax
+        jax.config.update("jax_enable_x64", True)  # 64-bit DP noise keys (docs/backends.md)
     keras.utils.set_random_seed(args.seed)
     (model, loss, optimizer, x_train, y_clean, x_test, y_test, paths, class_names,
      what) = _load(args)
@@ -248,7 +251,7 @@ def _run(args: argparse.Namespace) -> int:
                               path=os.path.join(args.out, "flagged_examples.png"))
         written.append("flagged_examples.png")
     if len(x_test):
-        test_losses = PerExample(model, loss).losses(x_test, y_test).numpy()
+        test_losses = keras.ops.convert_to_numpy(PerExample(model, loss).losses(x_test, y_test))
         chosen = report.explained_test_examples(test_losses, 4)
         influence = analysis.influence(x_train, y_train, x_test[chosen], y_test[chosen])
         summary["influence"] = report.influence_summary(influence, chosen, paths)

@@ -111,9 +111,14 @@ def _layer_rounding(layer) -> str:
     """The dtype whose rounding ``layer``'s output has. On JAX, Keras's dtype promotion maps
     64-bit results to 32-bit (``keras.backend.result_type("float64", "float32")`` is
     ``"float32"``, to match JAX's default), so normalization layers compute their statistics in
-    float32 even in a float64 model: they round as float32."""
+    float32 even in a float64 model: they round as float32. On PyTorch the same promotion
+    reaches ``keras.ops.matmul`` itself (``result_type("float64", "float64")`` is
+    ``"float32"`` there, and the torch backend multiplies in that dtype), so every layer of a
+    float64 model rounds as float32."""
     dtype = keras.backend.standardize_dtype(layer.compute_dtype)
     if dtype == "float64" and backend.is_jax() and isinstance(layer, _STATISTICS_LAYERS):
+        return "float32"
+    if dtype == "float64" and backend.is_torch():
         return "float32"
     return dtype
 

@@ -8,7 +8,8 @@ live. A rule with a ``forward`` hook (recurrent layers) computes the outputs its
 
 On JAX, where a backward pass reaches only the inputs of a function, ``tap`` adds a zero
 perturbation (an input of the differentiated function) to every tapped tensor as it is recorded;
-the gradient with respect to that perturbation is the gradient at the tapped tensor.
+the gradient with respect to that perturbation is the gradient at the tapped tensor. PyTorch
+taps the same way, with zeros that are leaves of the autograd graph.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from typing import Any
 
 from pergrad import backend
 from pergrad._compat import delete_untracked, set_untracked
+from pergrad.backend.ops import snapshot
 from pergrad.engine.plan import Plan
 from pergrad.rules import LayerCall
 
@@ -76,7 +78,7 @@ def record_calls(plan: Plan, tap: Callable[[Any], Any] | None = None,
                 note(LayerCall(layer, args, kwargs, tapped, saved))
                 return outputs
             # A generic layer replayed on JAX must see the state it ran with (seed states).
-            state = ([v.value for v in layer.non_trainable_variables]
+            state = ([snapshot(v.value) for v in layer.non_trainable_variables]
                      if tap is not None and rule is None else None)
             activation = getattr(layer, "activation", None) if split else None
             if activation is not None:

@@ -12,31 +12,74 @@ from pergrad.backend.ops import add_n, dtype_of, is_floating, rank
 
 PerExampleLoss = Callable[[Any, Any], Any]
 
-_SCALAR_LOSS_HELP = (
-    "The loss returned a scalar, but pergrad needs one loss per example, shape (batch,). Pass a "
-    "Keras loss object or name (pergrad turns its reduction off), or write the function without "
-    "the final reduction, e.g. `lambda y, p: keras.ops.mean(keras.ops.square(y - p), axis=-1)` "
-    "instead of `... keras.ops.mean(...)` over everything."
-)
+#: Reductions whose batch mean ``PerExampleModel`` reproduces (Keras's default and its aliases).
+MEAN_REDUCTIONS = ("sum_over_batch_size", "mean", "none", None)
 
 
-def _unreduced(loss: Any) -> Callable:
+def scalar_loss_error(name: str) -> ValueError:
+    return ValueError(
+        f"The loss {name!r} returned a scalar, but pergrad needs one loss per example, shape "
+        "(batch,). Pass a Keras loss object or name (pergrad turns its reduction off), or write "
+        "the function without the final reduction, e.g. `lambda y, p: "
+        "keras.ops.mean(keras.ops.square(y - p), axis=-1)` instead of `... keras.ops.mean(...)` "
+        "over everything.")
+
+
+def leaf_loss(loss: Any, like_compile: bool = False) -> PerExampleLoss:
+    """``fn(y_true, y_pred) -> (B,)`` for one model output: the one per-example loss adapter.
+
+    ``l_i`` is the loss's unreduced value for example ``i`` reduced over its non-batch axes:
+
+    * ``like_compile=False`` (``PerExample``): **summed** over them, so that ``sum_i l_i`` is
+      the loss of the whole batch; only half-precision arguments (predictions or labels) are
+      cast, to float32, as Keras's ``Loss.__call__`` does under mixed precision; integer labels
+      reach the function as given.
+    * ``like_compile=True`` (``PerExampleModel``, matching ``model.compile``'s loss):
+      **averaged** over them, as Keras's ``sum_over_batch_size`` does, so that
+      ``mean_i l_i`` equals Keras's compiled loss; ``y_true`` and ``y_pred`` are both cast to
+      the loss's dtype first, as ``Loss.__call__`` does. A loss with another reduction, and the
+      ambiguous names ``"crossentropy"``/``"ce"``, are refused.
+
+    ``loss``: a Keras loss object, a loss name or a callable ``(y_true, y_pred)``; called with
+    ``y_pred`` alone when ``y_true`` is ``None``. A scalar result is an error.
+    """
     if isinstance(loss, str):
-        fn = keras.losses.get(loss)
-    elif isinstance(loss, keras.losses.Loss):
+        if like_compile and loss.lower() in ("crossentropy", "ce"):
+            raise ValueError(f"loss={loss!r} is ambiguous for PerExampleModel; name it: "
+                             "'binary_crossentropy', 'categorical_crossentropy' or "
+                             "'sparse_categorical_crossentropy'.")
+        loss = keras.losses.get(loss)
+    if isinstance(loss, keras.losses.Loss):
+        if like_compile and loss.reduction not in MEAN_REDUCTIONS:
+            raise ValueError(f"Loss {loss.name!r} has reduction={loss.reduction!r}; "
+                             "PerExampleModel averages per-example losses over the batch like "
+                             "'sum_over_batch_size' does. Use that reduction (the default).")
         # Loss.__call__ = call (elementwise) + reduction; call alone is per example.
-        fn = loss.call
+        fn, dtype, name = loss.call, loss.dtype, loss.name
     elif callable(loss):
-        fn = loss
+        fn, dtype, name = loss, None, getattr(loss, "__name__", repr(loss))
     else:
         raise TypeError(f"loss must be a Keras loss, a loss name, or a callable; got {loss!r}")
+    dtype = keras.backend.standardize_dtype(dtype or keras.config.floatx())
 
-    def in_float32(*args):
-        # As Keras's Loss.__call__ does: half-precision predictions (mixed precision) are
-        # compared in float32.
-        return fn(*[_at_least_float32(a) for a in args])
+    def per_example(y_true, y_pred):
+        if like_compile:
+            y_pred = keras.tree.map_structure(lambda t: ops.cast(t, dtype), y_pred)
+            if y_true is not None:
+                y_true = keras.tree.map_structure(lambda t: ops.cast(t, dtype), y_true)
+        else:
+            y_true, y_pred = _at_least_float32(y_true), _at_least_float32(y_pred)
+        values = ops.convert_to_tensor(fn(y_pred) if y_true is None else fn(y_true, y_pred))
+        if rank(values) == 0:
+            raise scalar_loss_error(name)
+        if rank(values) > 1:
+            axes = list(range(1, rank(values)))
+            values = ops.mean(values, axis=axes) if like_compile else ops.sum(values, axis=axes)
+        if not is_floating(values.dtype) or dtype_of(values) in ("float16", "bfloat16"):
+            values = ops.cast(values, "float32")
+        return values
 
-    return in_float32
+    return per_example
 
 
 def _at_least_float32(values):
@@ -48,9 +91,10 @@ def _at_least_float32(values):
 
 
 def _per_example(values):
+    """A model output that already is the per-example loss, summed over non-batch axes."""
     values = ops.convert_to_tensor(values)
     if rank(values) == 0:
-        raise ValueError(_SCALAR_LOSS_HELP)
+        raise scalar_loss_error("model output")
     if rank(values) > 1:
         values = ops.sum(values, axis=list(range(1, rank(values))))
     if not is_floating(values.dtype) or dtype_of(values) in ("float16", "bfloat16"):
@@ -72,19 +116,17 @@ def per_example_loss(loss: Any) -> PerExampleLoss:
     if loss is None:
         return lambda y_true, y_pred: add_n([_per_example(p) for p in keras.tree.flatten(y_pred)])
     if isinstance(loss, (list, tuple, dict)):
-        fns = keras.tree.map_structure(_unreduced, loss)
+        fns = keras.tree.map_structure(leaf_loss, loss)
 
         def structured(y_true, y_pred):
             pred_flat = _flatten_like(loss, y_pred, "outputs")
             true_flat = _flatten_like(loss, y_true, "targets") if y_true is not None else None
-            terms = []
-            for k, fn in enumerate(keras.tree.flatten(fns)):
-                args = (pred_flat[k],) if true_flat is None else (true_flat[k], pred_flat[k])
-                terms.append(_per_example(fn(*args)))
+            terms = [fn(None if true_flat is None else true_flat[k], pred_flat[k])
+                     for k, fn in enumerate(keras.tree.flatten(fns))]
             return add_n(terms)
 
         return structured
-    fn = _unreduced(loss)
+    fn = leaf_loss(loss)
 
     def single(y_true, y_pred):
         preds = keras.tree.flatten(y_pred)
@@ -92,8 +134,7 @@ def per_example_loss(loss: Any) -> PerExampleLoss:
         if len(trues) != len(preds):
             raise ValueError(f"The model has {len(preds)} outputs but y has {len(trues)} parts; "
                              "pass one target per output.")
-        terms = [_per_example(fn(p) if t is None else fn(t, p))
-                 for t, p in zip(trues, preds, strict=True)]
+        terms = [fn(t, p) for t, p in zip(trues, preds, strict=True)]
         return add_n(terms) if len(terms) > 1 else terms[0]
 
     return single

@@ -126,10 +126,10 @@ class PerExample:
     def compiled(self, name: str, body):
         """``body`` compiled and cached under ``name``, traced once per input signature and
         counted in ``trace_counts[name]``: a ``tf.function`` (``reduce_retracing=True``) on
-        TensorFlow, a ``jax.jit`` over the model's variable values and the arguments on JAX.
-        For code that builds its own computations on :meth:`compute`, as ``pergrad.stats``
+        TensorFlow, a ``jax.jit`` over the model's variable values and the arguments on JAX,
+        the body run eagerly (nothing traced, ``trace_counts`` stays 0) on PyTorch. For code that builds its own computations on :meth:`compute`, as ``pergrad.stats``
         does."""
-        if name not in self._compiled and backend.is_jax():
+        if name not in self._compiled and not backend.is_tensorflow():
             def count():
                 self.trace_counts[name] += 1
             self._compiled[name] = self._engine.compile_function(self.model, body, count)
@@ -321,6 +321,8 @@ def _tracing(x) -> bool:
     if backend.is_tensorflow():
         import tensorflow as tf
         return not tf.executing_eagerly()
+    if backend.is_torch():
+        return False  # eager: nothing is traced
     import jax
     return isinstance(keras.tree.flatten(x)[0], jax.core.Tracer)
 

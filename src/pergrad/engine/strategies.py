@@ -1,6 +1,7 @@
 """How a batch's per-example gradients are computed: ``auto`` (layer rules, one backward pass)
 and the whole-model baselines ``loop``, ``jacobian`` and ``vmap``, each defined once per backend
-(:mod:`pergrad.engine.on_tensorflow`, :mod:`pergrad.engine.on_jax`), all returning a
+(:mod:`pergrad.engine.on_tensorflow`, :mod:`pergrad.engine.on_jax`,
+:mod:`pergrad.engine.on_torch`), all returning a
 :class:`PerExampleResult`."""
 
 from __future__ import annotations
@@ -15,9 +16,13 @@ STRATEGIES = ("auto", "vmap", "jacobian", "loop")
 
 def engine_module():
     """The running backend's engine module."""
-    if backend.require_supported("pergrad's engine") == "jax":
+    name = backend.require_supported("pergrad's engine", backend.ENGINE_SUPPORTED)
+    if name == "jax":
         from pergrad.engine import on_jax
         return on_jax
+    if name == "torch":
+        from pergrad.engine import on_torch
+        return on_torch
     from pergrad.engine import on_tensorflow
     return on_tensorflow
 

@@ -1,6 +1,8 @@
-"""Reusable compiled Jacobians, JVPs, VJPs and Hessians for TensorFlow 2 / Keras 3.
+"""Reusable compiled Jacobians, JVPs, VJPs and Hessians for Keras 3 on TensorFlow and JAX.
 
-``jacobian(f)`` returns a callable that is traced once per input signature and reused:
+``jacobian(f)`` returns a callable that is traced once per input signature and reused
+(``tf.function`` on TensorFlow; ``jax.jit`` over the Keras variables' values on JAX, in
+`_on_jax`):
 
     jac = jacobian(model, batched=True)   # mode="auto": reverse or forward mode by size
     J = jac(x)                            # (B, *out_shape, *in_shape)

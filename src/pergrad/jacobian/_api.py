@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Hashable
+from types import ModuleType
 from typing import Any
 
 import keras
 import tensorflow as tf
 
-from pergrad.backend import require_tensorflow
+from pergrad.backend import is_jax, require_supported
+from pergrad.jacobian import _modes
 from pergrad.jacobian._call import (
     Argnums,
     diff_positions,
@@ -17,20 +19,18 @@ from pergrad.jacobian._call import (
     split_args,
 )
 from pergrad.jacobian._compile import ShapeDispatch, Traced, structural_key
-from pergrad.jacobian._modes import (
-    MODES,
-    choose_mode,
-    hessian_fwd_over_rev,
-    jacobian_fwd,
-    jacobian_rev,
-    output_sizes,
-)
-from pergrad.jacobian._structure import (
-    leaf_paths,
-    num_elements,
-    static_shape,
-    to_tensor,
-)
+from pergrad.jacobian._modes import MODES, choose_mode
+from pergrad.jacobian._structure import flatten, input_size, leaf_paths, rank, to_tensor
+
+
+def _math() -> ModuleType:
+    """The module with this backend's `jacobian_rev`, `jacobian_fwd`, `hessian_fwd_over_rev`
+    and `output_sizes` (same signatures): `_modes` on TensorFlow, `_on_jax` on JAX."""
+    if is_jax():
+        from pergrad.jacobian import _on_jax
+
+        return _on_jax
+    return _modes
 
 
 def _check_chunk_size(chunk_size: int | None, what: str) -> int | None:
@@ -76,9 +76,20 @@ class _CompiledDerivative:
         self._call_f = make_caller(f, self.training, what)
         self._last_key: Hashable | None = None
         self._built = False
-        self._dispatch = ShapeDispatch(self._build, name=what, jit_compile=self.jit_compile)
         self.input_signature = input_signature
         self._signature_fn: Traced | None = None
+        if is_jax():
+            if input_signature is not None:
+                raise NotImplementedError(
+                    f"{what}: input_signature is a tf.function feature and has no meaning on "
+                    "JAX, where jax.jit compiles once per input shape (a new batch size traces "
+                    "once more). Leave input_signature=None."
+                )
+            from pergrad.jacobian import _on_jax
+
+            self._dispatch = _on_jax.Dispatch(self._build, f)
+            return
+        self._dispatch = ShapeDispatch(self._build, name=what, jit_compile=self.jit_compile)
         if input_signature is not None:
             self._signature_fn = Traced(
                 self._build("input_signature"),
@@ -89,7 +100,7 @@ class _CompiledDerivative:
 
     @property
     def trace_count(self) -> int:
-        """Number of times TensorFlow traced this object's computation (all signatures)."""
+        """Number of times this object's computation was traced (all signatures)."""
         n = self._dispatch.trace_count
         return n + (self._signature_fn.trace_count if self._signature_fn else 0)
 
@@ -107,12 +118,21 @@ class _CompiledDerivative:
         if self._signature_fn is not None:
             self._last_key = "input_signature"
             return self._signature_fn(*args)
-        key = structural_key(args, self.batched)
+        if is_jax():
+            from pergrad.jacobian import _on_jax
+
+            key = _on_jax.structural_key(args, self.batched)
+        else:
+            key = structural_key(args, self.batched)
         self._last_key = key
         return self._dispatch(key, *args)
 
     def _convert(self, arg: Any, pos: int) -> Any:
         """Differentiated argument: float tensors pass through; others converted or refused."""
+        if is_jax():
+            from pergrad.jacobian import _on_jax
+
+            return _on_jax.convert(arg, pos, self._what)
         if isinstance(arg, tf.Tensor) and arg.dtype.is_floating:
             return arg  # fast path: the common case costs one isinstance check
         what = self._what
@@ -129,8 +149,8 @@ class _CompiledDerivative:
         return tf.nest.pack_sequence_as(arg, converted)
 
     def _check_batch(self, args: tuple, positions: list[int]) -> None:
-        leaves = [leaf for pos in positions for leaf in tf.nest.flatten(args[pos])]
-        sizes = {leaf.shape[0] if leaf.shape.rank else "scalar" for leaf in leaves}
+        leaves = [leaf for pos in positions for leaf in flatten(args[pos])]
+        sizes = {leaf.shape[0] if rank(leaf) else "scalar" for leaf in leaves}
         sizes.discard(None)
         if len(sizes) <= 1 and "scalar" not in sizes:
             return
@@ -139,7 +159,7 @@ class _CompiledDerivative:
         paths = [p for pos in positions for p in leaf_paths(args[pos], f"args[{pos}]")]
         first: tuple[str, int] | None = None
         for leaf, path in zip(leaves, paths, strict=True):
-            if not leaf.shape.rank:
+            if not rank(leaf):
                 raise ValueError(
                     f"{what}: batched=True but input {path} is a scalar; every "
                     "differentiated input needs a leading batch dimension."
@@ -208,15 +228,13 @@ class Jacobian(_CompiledDerivative):
 
     def _compute(self, fn: Callable[[Any], Any], x: Any, x_paths: list[str], key: Hashable) -> Any:
         mode = self.mode_requested
+        math = _math()
         if mode == "auto":
-            n_in = sum(
-                num_elements(static_shape(t, p, batched=self.batched, what="jacobian"))
-                for t, p in zip(tf.nest.flatten(x), x_paths, strict=True)
-            )
-            n_out = output_sizes(fn, x, batched=self.batched, what="jacobian")
+            n_in = input_size(x, x_paths, batched=self.batched, what="jacobian")
+            n_out = math.output_sizes(fn, x, batched=self.batched, what="jacobian")
             mode = choose_mode(n_in, n_out)
         self._mode_by_key[key] = mode
-        impl = jacobian_rev if mode == "rev" else jacobian_fwd
+        impl = math.jacobian_rev if mode == "rev" else math.jacobian_fwd
         return impl(fn, x, batched=self.batched, chunk_size=self.chunk_size, x_paths=x_paths)
 
     def __repr__(self) -> str:
@@ -233,7 +251,7 @@ class Hessian(_CompiledDerivative):
     _what = "hessian"
 
     def _compute(self, fn: Callable[[Any], Any], x: Any, x_paths: list[str], key: Hashable) -> Any:
-        return hessian_fwd_over_rev(
+        return _math().hessian_fwd_over_rev(
             fn, x, batched=self.batched, chunk_size=self.chunk_size, x_paths=x_paths
         )
 
@@ -267,7 +285,7 @@ def jacobian(
         at the vectorized width of one example's Jacobian (like ``batch_jacobian``).
       chunk_size: at most this many JVPs/VJPs are vectorized at once (bounds memory; each
         one covers the whole batch when batched); results are identical.
-      jit_compile: compile with XLA.
+      jit_compile: compile with XLA (on JAX everything is compiled by XLA: no effect).
       argnums: differentiate with respect to these positional arguments only (JAX
         convention); None means all of them. Others are passed through (tensors or Python
         values; a new Python value retraces).
@@ -275,13 +293,15 @@ def jacobian(
         statistics. Not allowed for plain functions.
       input_signature: optional `tf.TensorSpec` list for the positional arguments, as for
         `tf.function`; it must fix every dimension (all but the batch one when batched).
+        TensorFlow only (`NotImplementedError` on JAX, where each input shape traces once).
 
     Returns:
       A `Jacobian`: call it with f's positional arguments. It is traced once per input
       signature (nesting, dtypes and shapes; with batched=True, a new batch size retraces at
-      most once) and reused for every later call.
+      most once on TensorFlow, once per batch size on JAX) and reused for every later call.
+      It reads the current values of the Keras variables f uses at every call.
     """
-    require_tensorflow("pergrad.jacobian")
+    require_supported("pergrad.jacobian")
     return Jacobian(
         f,
         mode=mode,
@@ -337,6 +357,7 @@ def hessian(
     every example's Hessian, shape (B, *ex(x_l1), *ex(x_l2)), at the cost of one example's
     width. Other arguments are as for `jacobian`.
     """
+    require_supported("pergrad.hessian")
     return Hessian(
         f,
         argnums=argnums,

@@ -8,6 +8,8 @@ from typing import Any
 import keras
 import tensorflow as tf
 
+from pergrad.backend import is_tensorflow
+
 Argnums = int | Sequence[int] | None
 
 
@@ -16,7 +18,8 @@ def make_caller(f: Callable[..., Any], training: bool, what: str) -> Callable[..
 
     Keras layers and models default to ``training=False`` (inference: dropout off, BatchNorm
     with moving statistics). A plain function controls its own behaviour, so asking for
-    ``training=True`` there is an error rather than a silently ignored flag.
+    ``training=True`` there is an error rather than a silently ignored flag. On TensorFlow a
+    plain function is converted by AutoGraph; JAX traces Python control flow as it is.
     """
     if not callable(f):
         raise TypeError(f"{what}: f must be callable (a Keras model or layer, or a function).")
@@ -32,7 +35,7 @@ def make_caller(f: Callable[..., Any], training: bool, what: str) -> Callable[..
             f"{what}: training=True applies to Keras layers and models only; f is a "
             f"{type(f).__name__}. Call your model with training=True inside f instead."
         )
-    return autograph(f)
+    return autograph(f) if is_tensorflow() else f
 
 
 def autograph(f: Callable[..., Any]) -> Callable[..., Any]:
@@ -45,6 +48,17 @@ def autograph(f: Callable[..., Any]) -> Callable[..., Any]:
         return tf.autograph.to_graph(f)
     except Exception:  # noqa: BLE001 - AutoGraph raises many kinds; unconverted f still works
         return f
+
+
+def primal_args(primals: Any) -> tuple[tuple, bool]:
+    """`jvp`/`vjp`/`hvp` primals as (f's positional args, whether primals was that tuple).
+
+    JAX's convention with one Keras-friendly exception: a tuple (not a named tuple) is the
+    tuple of f's positional arguments; anything else is f's single argument.
+    """
+    if isinstance(primals, tuple) and not hasattr(primals, "_fields"):
+        return primals, True
+    return (primals,), False
 
 
 def normalize_argnums(argnums: Argnums, what: str) -> int | tuple[int, ...] | None:

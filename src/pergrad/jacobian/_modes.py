@@ -33,10 +33,12 @@ from pergrad.jacobian._structure import (
     batch_first,
     block_shape,
     check_float_outputs,
+    check_static_batch,
     leaf_paths,
     move_first_axis_last,
     num_elements,
     pack_blocks,
+    single_output,
     static_shape,
 )
 from pergrad.jacobian._vmap import stack_map
@@ -83,20 +85,8 @@ def check_output_batch(
     asserts = []
     static_batch = batch if isinstance(batch, int) else None
     for y, path in zip(ys, y_paths, strict=True):
-        if y.shape.rank == 0:
-            raise ValueError(
-                f"{what}: batched=True but f's {path} is a scalar; f must map a batch to "
-                "a batch (leading dimension B). Use batched=False for the full Jacobian."
-            )
-        lead = y.shape[0]
-        if lead is not None and static_batch is not None:
-            if int(lead) != int(static_batch):
-                raise ValueError(
-                    f"{what}: batched=True but f's {path} has leading dimension {lead} "
-                    f"while the inputs have batch size {static_batch}; f must map a batch to a "
-                    "batch with independent examples. Use batched=False for the full Jacobian."
-                )
-        else:
+        check_static_batch(y, path, static_batch, what)
+        if y.shape[0] is None or static_batch is None:
             asserts.append(
                 tf.debugging.assert_equal(
                     tf.shape(y)[0],
@@ -294,21 +284,7 @@ def hessian_fwd_over_rev(
 
 def scalar_objective(y: Any, batched: bool, batch: Any, what: str) -> tuple[tf.Tensor, list]:
     """Checks f returned a scalar (or one scalar per example): (what to differentiate, asserts)."""
-    ys = tf.nest.flatten(y)
-    if len(ys) != 1:
-        raise ValueError(f"{what}: f must return a single tensor, got {len(ys)} outputs.")
-    (y,) = ys
-    check_float_outputs([y], ["output"], what)
+    y = single_output(y, batched, what)
     if batched:
-        if y.shape.rank != 1:
-            raise ValueError(
-                f"{what}: batched=True needs f to return one scalar per example (shape (B,)), "
-                f"got shape {y.shape}."
-            )
         return tf.reduce_sum(y), check_output_batch([y], ["output"], batch, what)
-    if y.shape.rank != 0:
-        raise ValueError(
-            f"{what}: f must return a scalar, got shape {y.shape}. Reduce it (e.g. "
-            "tf.reduce_sum) or use batched=True for per-example scalars of shape (B,)."
-        )
     return y, []

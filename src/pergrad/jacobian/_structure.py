@@ -1,7 +1,10 @@
 """Nested structures: leaf paths for error messages, input checks, Jacobian block packing.
 
 Everything here runs in Python at call or trace time; nothing here builds graph ops except
-`to_tensor` (a conversion) and the small shape helpers used by the modes.
+`to_tensor` (a conversion) and the small shape helpers used by the modes. The checks
+(`static_shape`, `check_float_outputs`, `single_output`, `check_static_batch`) and
+`flatten`/`pack_as` work on every backend: on TensorFlow they use `tf.nest`, elsewhere
+`keras.tree` (both order dict keys sorted and treat None as a leaf).
 """
 
 from __future__ import annotations
@@ -9,8 +12,30 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+import keras
 import numpy as np
 import tensorflow as tf
+
+from pergrad.backend import is_tensorflow
+from pergrad.backend.ops import is_floating
+
+
+def flatten(structure: Any) -> list:
+    """The leaves of `structure`, in the order `leaf_paths` names them."""
+    return tf.nest.flatten(structure) if is_tensorflow() else keras.tree.flatten(structure)
+
+
+def pack_as(structure: Any, leaves: list) -> Any:
+    """`leaves` nested like `structure` (the inverse of `flatten`)."""
+    if is_tensorflow():
+        return tf.nest.pack_sequence_as(structure, leaves)
+    return keras.tree.pack_sequence_as(structure, leaves)
+
+
+def rank(t: Any) -> int | None:
+    """The number of dimensions of `t` (None for a TensorFlow tensor of unknown rank)."""
+    shape = t.shape
+    return shape.rank if isinstance(shape, tf.TensorShape) else len(shape)
 
 
 def leaf_paths(structure: Any, root: str) -> list[str]:
@@ -46,25 +71,31 @@ def is_tensor_like(x: Any) -> bool:
     return isinstance(x, (tf.Tensor, tf.Variable, np.ndarray, np.generic))
 
 
-def to_tensor(x: Any, path: str, what: str) -> tf.Tensor | tf.Variable:
-    """Converts one leaf to a tensor (variables are kept as they are) and checks it is floating.
+def to_tensor(x: Any, path: str, what: str) -> Any:
+    """Converts one leaf to a tensor and checks it is floating.
+
+    Variables are kept as they are: a `tf.Variable` on TensorFlow, a Keras variable on
+    other backends (the callers decide what a variable means to them).
 
     Raises:
       TypeError: naming `path` when the leaf is not floating point.
     """
-    if not isinstance(x, tf.Variable):
+    keep = (tf.Variable,) if is_tensorflow() else (keras.Variable,)
+    if not isinstance(x, keep):
+        convert = tf.convert_to_tensor if is_tensorflow() else keras.ops.convert_to_tensor
         try:
-            x = tf.convert_to_tensor(x)
+            x = convert(x)
         except (TypeError, ValueError) as err:
             raise TypeError(
                 f"{what}: {path} is a {type(x).__name__}, which cannot be converted to a tensor. "
                 "Pass tensors, NumPy arrays or Python floats."
             ) from err
-    if not x.dtype.is_floating:
+    if not is_floating(x.dtype):
         raise TypeError(
-            f"{what}: {path} has dtype {x.dtype.name}; derivatives are defined for floating "
-            f"inputs only. Cast it first, e.g. tf.cast(x, tf.float32), or leave it out of the "
-            f"differentiated arguments (argnums)."
+            f"{what}: {path} has dtype {keras.backend.standardize_dtype(x.dtype)}; derivatives "
+            "are defined for floating inputs only. Cast it first, e.g. "
+            "keras.ops.cast(x, 'float32'), or leave it out of the differentiated arguments "
+            "(argnums)."
         )
     return x
 
@@ -72,7 +103,7 @@ def to_tensor(x: Any, path: str, what: str) -> tf.Tensor | tf.Variable:
 def check_float_outputs(ys: Sequence[tf.Tensor], paths: Sequence[str], what: str) -> None:
     """Raises TypeError naming the output leaf when f returns something non-floating."""
     for y, path in zip(ys, paths, strict=True):
-        if not isinstance(y, (tf.Tensor, tf.Variable)) or not y.dtype.is_floating:
+        if not (hasattr(y, "shape") and hasattr(y, "dtype")) or not is_floating(y.dtype):
             kind = y.dtype.name if hasattr(y, "dtype") else type(y).__name__
             raise TypeError(
                 f"{what}: f's {path} is {kind}; derivatives need floating outputs. "
@@ -88,21 +119,22 @@ def static_shape(t: tf.Tensor, path: str, *, batched: bool, what: str) -> list[i
         its size), or when `batched` and the tensor has no batch dimension.
     """
     shape = t.shape
-    if shape.rank is None:
+    n_dims = rank(t)
+    if n_dims is None:
         raise ValueError(f"{what}: {path} has unknown rank; Jacobians need static shapes.")
     if batched:
-        if shape.rank == 0:
+        if n_dims == 0:
             raise ValueError(
                 f"{what}: batched=True but {path} is a scalar; every input and output needs a "
                 "leading batch dimension. Use batched=False for the full Jacobian."
             )
-        dims = shape[1:]
+        dims = list(shape)[1:]
     else:
-        dims = shape
-    if not dims.is_fully_defined():
+        dims = list(shape)
+    if any(d is None for d in dims):
         free = "every non-batch dimension" if batched else "every dimension"
         raise ValueError(
-            f"{what}: {path} has shape {shape}, with {free} needed statically to build the "
+            f"{what}: {path} has shape {tuple(shape)}, with {free} needed statically to build the "
             "Jacobian basis. Pass inputs with static shapes, or an input_signature that fixes "
             f"{free}."
         )
@@ -111,6 +143,14 @@ def static_shape(t: tf.Tensor, path: str, *, batched: bool, what: str) -> list[i
 
 def num_elements(shape: Sequence[int]) -> int:
     return int(np.prod(shape, dtype=np.int64))
+
+
+def input_size(x: Any, x_paths: list[str], *, batched: bool, what: str) -> int:
+    """Total (per-example if batched) number of input elements: the JVPs forward mode needs."""
+    return sum(
+        num_elements(static_shape(t, p, batched=batched, what=what))
+        for t, p in zip(flatten(x), x_paths, strict=True)
+    )
 
 
 def move_first_axis_last(t: tf.Tensor) -> tf.Tensor:
@@ -139,7 +179,49 @@ def block_shape(
     return tf.concat([tf.reshape(batch, [1]), tf.constant(dims, tf.int32)], axis=0)
 
 
-def pack_blocks(outputs: Any, inputs: Any, blocks: list[list[tf.Tensor]]) -> Any:
+def pack_blocks(outputs: Any, inputs: Any, blocks: list[list[Any]]) -> Any:
     """Nest blocks[k][l] (output leaf k, input leaf l) like JAX: outputs outer, inputs inner."""
-    rows = [tf.nest.pack_sequence_as(inputs, row) for row in blocks]
-    return tf.nest.pack_sequence_as(outputs, rows)
+    rows = [pack_as(inputs, row) for row in blocks]
+    return pack_as(outputs, rows)
+
+
+def check_static_batch(y: Any, path: str, batch: int | None, what: str) -> None:
+    """batched=True: output `y` must keep the inputs' batch size. Raises when that is known
+    to fail now; a dimension unknown until run time is left to the caller (an assert op)."""
+    if rank(y) == 0:
+        raise ValueError(
+            f"{what}: batched=True but f's {path} is a scalar; f must map a batch to "
+            "a batch (leading dimension B). Use batched=False for the full Jacobian."
+        )
+    lead = y.shape[0]
+    if lead is not None and batch is not None and int(lead) != int(batch):
+        raise ValueError(
+            f"{what}: batched=True but f's {path} has leading dimension {lead} "
+            f"while the inputs have batch size {batch}; f must map a batch to a "
+            "batch with independent examples. Use batched=False for the full Jacobian."
+        )
+
+
+def single_output(y: Any, batched: bool, what: str) -> Any:
+    """The one floating output of a Hessian's f: a scalar, or (batched) one per example.
+
+    Raises:
+      ValueError: when f returns several tensors or the wrong rank.
+    """
+    ys = flatten(y)
+    if len(ys) != 1:
+        raise ValueError(f"{what}: f must return a single tensor, got {len(ys)} outputs.")
+    (y,) = ys
+    check_float_outputs([y], ["output"], what)
+    if batched:
+        if rank(y) != 1:
+            raise ValueError(
+                f"{what}: batched=True needs f to return one scalar per example (shape (B,)), "
+                f"got shape {tuple(y.shape)}."
+            )
+    elif rank(y) != 0:
+        raise ValueError(
+            f"{what}: f must return a scalar, got shape {tuple(y.shape)}. Reduce it (e.g. "
+            "keras.ops.sum) or use batched=True for per-example scalars of shape (B,)."
+        )
+    return y

@@ -20,17 +20,11 @@ import keras
 import tensorflow as tf
 
 from pergrad._compat import backing_tf_variable
-from pergrad.jacobian._call import make_caller
+from pergrad.backend import is_jax, require_supported
+from pergrad.jacobian._call import make_caller, primal_args
 from pergrad.jacobian._compile import Traced, compiled_for
 from pergrad.jacobian._modes import ZERO, scalar_objective
 from pergrad.jacobian._structure import leaf_paths, to_tensor
-
-
-def _as_args(primals: Any) -> tuple[tuple, bool]:
-    """(positional args, whether primals was the tuple of args)."""
-    if isinstance(primals, tuple) and not hasattr(primals, "_fields"):
-        return primals, True
-    return (primals,), False
 
 
 def _as_tf_variable(leaf: Any) -> tf.Variable | None:
@@ -90,7 +84,7 @@ class _Primals:
 
 def _match(primals: _Primals, other: Any, name: str, what: str) -> list[tf.Tensor]:
     """Flat tangents/vectors checked against the primals' structure, dtypes and shapes."""
-    other_args, _ = _as_args(other)
+    other_args, _ = primal_args(other)
     try:
         tf.nest.assert_same_structure(
             primals.layout.pack(list(range(len(primals.flat_primals)))), other_args
@@ -203,8 +197,13 @@ def jvp(
     Returns:
       (outputs, jvp_out), both nested like f's outputs.
     """
+    require_supported("pergrad.jacobian.jvp")
     make_caller(f, training, "jvp")  # validates f and `training` now, not at trace time
-    args, _ = _as_args(primals)
+    if is_jax():
+        from pergrad.jacobian import _on_jax
+
+        return _on_jax.jvp(f, primals, tangents, training=training)
+    args, _ = primal_args(primals)
     prim = _Primals(args, "jvp")
     tans = _match(prim, tangents, "tangents", "jvp")
     return _compiled(f, "jvp", training, prim, _build_jvp)(prim.tensors, tans)
@@ -227,8 +226,13 @@ def vjp(
         `tf.Variable` leaves are allowed.
       training: passed to Keras layers and models.
     """
+    require_supported("pergrad.jacobian.vjp")
     make_caller(f, training, "vjp")
-    args, was_tuple = _as_args(primals)
+    if is_jax():
+        from pergrad.jacobian import _on_jax
+
+        return _on_jax.vjp(f, primals, training=training)
+    args, was_tuple = primal_args(primals)
     prim = _Primals(args, "vjp")
     outputs = _compiled(f, "forward", training, prim, _build_forward)(prim.tensors)
     backward = _compiled(f, "vjp", training, prim, _build_vjp)
@@ -271,8 +275,13 @@ def hvp(f: Callable[..., Any], primals: Any, vectors: Any, *, training: bool = F
     Returns:
       H v, structured like primals (a tuple when primals was a tuple).
     """
+    require_supported("pergrad.jacobian.hvp")
     make_caller(f, training, "hvp")
-    args, was_tuple = _as_args(primals)
+    if is_jax():
+        from pergrad.jacobian import _on_jax
+
+        return _on_jax.hvp(f, primals, vectors, training=training)
+    args, was_tuple = primal_args(primals)
     prim = _Primals(args, "hvp")
     vecs = _match(prim, vectors, "vectors", "hvp")
     out = prim.layout.pack(_compiled(f, "hvp", training, prim, _build_hvp)(prim.tensors, vecs))

@@ -39,14 +39,11 @@ import numpy as np
 import tensorflow as tf
 
 from pergrad.backend import require_tensorflow
+from pergrad.keras.faults import WorkerFailureError
 
 #: The errors a collective raises when a peer is gone or too slow.
 _PEER_ERRORS = (tf.errors.UnavailableError, tf.errors.DeadlineExceededError,
                 tf.errors.CancelledError, tf.errors.AbortedError)
-
-
-class WorkerFailureError(RuntimeError):
-    """A worker stopped responding during distributed training."""
 
 
 def multi_worker_strategy(timeout_seconds: float = 60.0,

@@ -13,6 +13,11 @@ weight, optimizer slot, iteration count or noise counter moves, and no noise is 
 anything released. After the step the status is read on the host and
 :class:`pergrad.MixesExamplesError` is raised (``fit`` through a callback, ``train_on_batch``
 directly); every later step with status 2 is refused the same way.
+
+A monitor (``PerExampleModel(monitor=...)``) is called inside the step with the step's
+``PerExampleResult``, like on TensorFlow; its scalars join the logs. ``GradientMonitor`` keeps
+its counters and tables on the host (ordered ``io_callback``s, see
+:mod:`pergrad.keras.monitor`); on a refused step it is not run at all.
 """
 
 from __future__ import annotations
@@ -64,31 +69,32 @@ def _current(scope, variable) -> Any:
 
 
 def _stateful_step(model, data) -> dict:
-    from pergrad.keras.model import _RecordingScope, _split_indices
+    from pergrad.keras.model import _RecordingScope, _scaled_weights, _split_indices
 
     x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
-    x, _ = _split_indices(x)
+    x, indices = _split_indices(x)
     if isinstance(sample_weight, (dict, list, tuple)):
         raise ValueError("PerExampleModel supports one sample weight per example, shape "
                          "(batch,); got a structure of sample weights.")
-    if isinstance(model.optimizer, keras.optimizers.LossScaleOptimizer) \
-            or getattr(model.optimizer, "loss_scale_factor", None) is not None:
-        raise NotImplementedError(
-            "PerExampleModel on the JAX backend does not support loss scaling (a "
-            "LossScaleOptimizer or an optimizer's loss_scale_factor) yet; use float32 or "
-            "bfloat16 without it, or the TensorFlow backend.")
     engine = model.per_example()
     if model._target_order is not None and isinstance(y, dict):
         y = [y[name] for name in model._target_order]
     _check_example_mixing(model, engine, x, y, sample_weight)
     # JAX's fit keeps variable values only in the state: the recording scope reads them from it.
     everything = list(model.variables)
+    scale = model._current_loss_scale()
     with _RecordingScope([(v, v.value) for v in everything]) as recording:
-        result = engine.compute(x, y, sample_weight)
+        # A loss scaled by S is the loss with every example's weight multiplied by S.
+        result = engine.compute(x, y, _scaled_weights(sample_weight, scale, x))
     model._apply_state_updates(recording)
     model._check_no_call_losses(recording)
     variables = result.variables
-    batch = aggregate.Batch.of(result, sample_weight)
+    if scale is not None:
+        result = result.scaled(1.0 / scale)  # unscaled gradients, float32 norms
+    # As on TensorFlow: under a DP aggregator an overflowing example is dropped like a NaN one;
+    # otherwise the overflow reaches the LossScaleOptimizer, which skips the step.
+    loss_scaled = scale is not None and not model.aggregator.noisy
+    batch = aggregate.Batch.of(result, sample_weight, loss_scaled=loss_scaled)
     local = model.aggregator.local(result, batch)
     key = noise.next_key(model.noise_state) if model.aggregator.noisy else None
     grads = model.aggregator.finalize(local, key)
@@ -97,8 +103,64 @@ def _stateful_step(model, data) -> dict:
     if regularization is not None:
         grads = [g + ops.cast(r, g.dtype) for g, r in zip(grads, regularization, strict=True)]
     logs = _report(model, x, y, result, sample_weight, local.dropped)
-    model.optimizer.apply(grads, variables)
+    if model.monitor is not None:
+        # This step's learning rate (for TracIn), read before the update moves a schedule on.
+        logs = {**logs, **_monitor(model, result, indices, sample_weight, y,
+                                   ops.convert_to_tensor(model.optimizer.learning_rate))}
+    if scale is not None:  # the optimizer divides by the loss scale
+        grads = [g * ops.cast(scale, g.dtype) for g in grads]
+    _apply(model.optimizer, grads, variables, list(model.trainable_variables))
+    if model.aggregator.noisy and isinstance(model.optimizer, keras.optimizers.LossScaleOptimizer):
+        # As on TensorFlow: DP steps are never skipped, so the scale would only grow, on a
+        # schedule, until every example overflows: hold it at its initial value.
+        model.optimizer.step_counter.assign(0)
     return logs
+
+
+def _apply(optimizer, grads: list, variables: list, trainable: list) -> None:
+    """``optimizer.apply(grads, variables)`` inside the step's stateless scope. A
+    ``LossScaleOptimizer`` assigns variables inside its ``cond`` (skip or apply), which under
+    ``jax.jit`` would leak tracers out of the branch: it goes through its public
+    ``stateless_apply`` (the route Keras's own JAX trainer takes), over every trainable
+    variable in the order the optimizer was built with, and the new values are written after."""
+    if not isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
+        optimizer.apply(grads, variables)
+        return
+    by_variable = {id(v): g for v, g in zip(variables, grads, strict=True)}
+    full = [by_variable.get(id(v), jnp.zeros(v.shape, v.dtype)) for v in trainable]
+    new_trainable, new_optimizer = optimizer.stateless_apply(
+        [v.value for v in optimizer.variables], full, [v.value for v in trainable])
+    for variable, value in zip(trainable, new_trainable, strict=True):
+        variable.assign(value)
+    for variable, value in zip(optimizer.variables, new_optimizer, strict=True):
+        variable.assign(value)
+
+
+def _monitor(model, result, indices, sample_weight, y, learning_rate) -> dict:
+    """The monitor's statistics of this step, computed from the raw per-example gradients (it
+    draws no noise key and writes no state). On a step the mixing check refuses, the monitor
+    is not run at all (its host-side counters and tables do not see the step): its outputs are
+    NaN there."""
+    from pergrad.keras.model import _accepted
+
+    monitor = model.monitor
+    extras = {"labels": y, "learning_rate": learning_rate, "from_logits": model._from_logits}
+    extras = _accepted(monitor.compute, extras)
+
+    def run():
+        stats = monitor.compute(result, indices=indices, sample_weight=sample_weight, **extras)
+        return {k: ops.convert_to_tensor(v) for k, v in dict(stats).items()}
+
+    status = model.mixing_status
+    if status is None:
+        return run()
+    shapes = jax.eval_shape(run)
+
+    def refused():
+        return {k: jnp.full(s.shape, jnp.nan if jnp.issubdtype(s.dtype, jnp.inexact) else 0,
+                            s.dtype) for k, s in shapes.items()}
+
+    return jax.lax.cond(ops.convert_to_tensor(status.value) == REFUSED, refused, run)
 
 
 def _check_example_mixing(model, engine, x, y, sample_weight) -> None:

@@ -32,6 +32,8 @@ from pergrad._compat import compiled_loss, held_value, loss_tracker
 from pergrad.aggregate import noise
 from pergrad.backend import is_tensorflow, require_supported
 from pergrad.engine import PerExample, compute_dtype, mixing_tolerance
+from pergrad.engine.losses import leaf_loss
+from pergrad.keras.faults import backups_first, lost_process_errors
 from pergrad.rules.normalization import MixesExamplesError
 from pergrad.stats.scores import loss_from_logits
 
@@ -41,61 +43,8 @@ INDEX_KEY = "example_index"
 It is removed from ``x`` before the model is called and handed to the monitor as ``indices``.
 """
 
-_MEAN_REDUCTIONS = ("sum_over_batch_size", "mean", "none", None)
-
-
-def _floatx_dtype(dtype) -> str:
-    return keras.backend.standardize_dtype(keras.config.floatx() if dtype is None else dtype)
-
-
-def _scalar_loss_error(name: str) -> ValueError:
-    return ValueError(
-        f"The loss {name!r} returned a scalar, but PerExampleModel needs one loss per example, "
-        "shape (batch,). Pass a Keras loss object or name, or write the function without the "
-        "reduction over the batch, e.g. `lambda y, p: keras.ops.mean(keras.ops.square(y - p), "
-        "axis=-1)`."
-    )
-
-
-def _leaf_loss(loss) -> Any:
-    """``fn(y_true, y_pred) -> (B,)`` for one output, matching Keras's batch reduction:
-    Keras's ``sum_over_batch_size`` averages over every non-batch axis, so ``l_i`` does too."""
-    if loss is None:
-        return None
-    if isinstance(loss, str):
-        if loss.lower() in ("crossentropy", "ce"):
-            raise ValueError(f"loss={loss!r} is ambiguous for PerExampleModel; name it: "
-                             "'binary_crossentropy', 'categorical_crossentropy' or "
-                             "'sparse_categorical_crossentropy'.")
-        loss = keras.losses.get(loss)
-    if isinstance(loss, keras.losses.Loss):
-        if loss.reduction not in _MEAN_REDUCTIONS:
-            raise ValueError(f"Loss {loss.name!r} has reduction={loss.reduction!r}; "
-                             "PerExampleModel averages per-example losses over the batch like "
-                             "'sum_over_batch_size' does. Use that reduction (the default).")
-        fn, dtype, name = loss.call, _floatx_dtype(loss.dtype), loss.name
-    elif callable(loss):
-        fn, dtype, name = loss, _floatx_dtype(None), getattr(loss, "__name__", repr(loss))
-    else:
-        raise TypeError(f"loss must be a Keras loss, a loss name or a callable; got {loss!r}.")
-
-    def per_example(y_true, y_pred):
-        # As keras.losses.Loss.__call__: both converted to the loss dtype (float32 under mixed
-        # precision), then the unreduced values averaged over all but the batch axis.
-        y_pred = ops.cast(y_pred, dtype)
-        y_true = ops.cast(y_true, dtype)
-        values = ops.convert_to_tensor(fn(y_true, y_pred))
-        if len(values.shape) == 0:
-            raise _scalar_loss_error(name)
-        if len(values.shape) > 1:
-            values = ops.mean(values, axis=list(range(1, len(values.shape))))
-        return values
-
-    return per_example
-
-
 def _weighted_leaf(loss, weight):
-    leaf = _leaf_loss(loss)
+    leaf = None if loss is None else leaf_loss(loss, like_compile=True)
     if leaf is None:  # no loss for this output
         return lambda y_true, y_pred: ops.zeros([ops.shape(y_pred)[0]], keras.config.floatx())
     if weight is None or float(weight) == 1.0:
@@ -245,11 +194,6 @@ class PerExampleModel(keras.Model):
                  monitor: Any = None, check_example_mixing: bool = True,
                  allow_state_updates: bool = False, **kwargs) -> None:
         require_supported("pergrad.keras.PerExampleModel")
-        if monitor is not None and not is_tensorflow():
-            raise NotImplementedError(
-                "A monitor on PerExampleModel runs on the TensorFlow backend only in this "
-                "release (pergrad.keras.GradientMonitor is TensorFlow code); see "
-                "docs/backends.md.")
         super().__init__(**kwargs)
         if not isinstance(model, keras.layers.Layer):
             raise TypeError(f"model must be a Keras model, got {type(model).__name__}.")
@@ -264,7 +208,6 @@ class PerExampleModel(keras.Model):
         self._per_example: PerExample | None = None
         self._per_example_loss = None
         self._target_order = None
-        self._loss_scale = None
         self.noise_state = None
         if self.aggregator.noisy:
             if not is_tensorflow():
@@ -337,6 +280,7 @@ class PerExampleModel(keras.Model):
             self.optimizer.build(self.trainable_variables)
 
     def fit(self, *args, **kwargs):
+        args, kwargs = backups_first(self, args, kwargs)
         if not is_tensorflow():
             return self._fit_jax(*args, **kwargs)
         if isinstance(self.distribute_strategy, tf.distribute.MultiWorkerMirroredStrategy) \
@@ -346,29 +290,44 @@ class PerExampleModel(keras.Model):
                 "issue 20585). Train with pergrad.keras.fit_distributed(model, x, y, "
                 "batch_size=..., epochs=..., checkpoint_dir=...): the same train step, callbacks "
                 "and aggregator, under strategy.run.")
-        if isinstance(self.monitor, keras.callbacks.Callback):
-            bound = inspect.signature(keras.Model.fit).bind_partial(self, *args, **kwargs)
-            callbacks = list(bound.arguments.get("callbacks") or [])
-            if not any(c is self.monitor for c in callbacks):
-                callbacks.append(self.monitor)
-            bound.arguments["callbacks"] = callbacks
-            args, kwargs = bound.args[1:], bound.kwargs
+        args, kwargs = self._with_monitor_callback(args, kwargs)
         with _mixing_errors():
             return super().fit(*args, **kwargs)
 
     def train_on_batch(self, *args, **kwargs):
         if not is_tensorflow():
             return_dict = kwargs.pop("return_dict", False)
-            with _values_restored_on_error(self):
+            _require_one_process_for_monitor(self.monitor)
+            with lost_process_errors(), _values_restored_on_error(self):
                 logs = dict(super().train_on_batch(*args, return_dict=True, **kwargs))
             _raise_if_refused(logs)
             return logs if return_dict else self._flatten_metrics_in_order(logs)
         with _mixing_errors():
             return super().train_on_batch(*args, **kwargs)
 
+    def _with_monitor_callback(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        """``fit``'s arguments with the monitor added (last) to the callbacks, if it is a
+        Keras callback and not there yet."""
+        if not isinstance(self.monitor, keras.callbacks.Callback):
+            return args, kwargs
+        bound = inspect.signature(keras.Model.fit).bind_partial(self, *args, **kwargs)
+        callbacks = bound.arguments.get("callbacks") or []
+        if isinstance(callbacks, keras.callbacks.CallbackList):
+            if not any(c is self.monitor for c in callbacks.callbacks):
+                callbacks.append(self.monitor)
+                self.monitor.set_model(self)
+            return args, kwargs
+        callbacks = list(callbacks)
+        if not any(c is self.monitor for c in callbacks):
+            callbacks.append(self.monitor)
+        bound.arguments["callbacks"] = callbacks
+        return bound.args[1:], bound.kwargs
+
     def _fit_jax(self, *args, **kwargs):
         """``fit`` on JAX, with the callback that turns a refused first step into
-        :class:`MixesExamplesError` (see :mod:`pergrad.keras.jax_step`)."""
+        :class:`MixesExamplesError` (see :mod:`pergrad.keras.jax_step`) and the monitor's."""
+        _require_one_process_for_monitor(self.monitor)
+        args, kwargs = self._with_monitor_callback(args, kwargs)
         if self.mixing_status is not None:
             bound = inspect.signature(keras.Model.fit).bind_partial(self, *args, **kwargs)
             callbacks = bound.arguments.get("callbacks") or []
@@ -378,7 +337,9 @@ class PerExampleModel(keras.Model):
             else:
                 bound.arguments["callbacks"] = [_MixingRefusal(), *callbacks]
             args, kwargs = bound.args[1:], bound.kwargs
-        with _values_restored_on_error(self):
+        callbacks = inspect.signature(keras.Model.fit).bind_partial(
+            self, *args, **kwargs).arguments.get("callbacks")
+        with lost_process_errors(callbacks), _values_restored_on_error(self):
             return super().fit(*args, **kwargs)
 
     def get_config(self) -> dict:
@@ -405,16 +366,7 @@ class PerExampleModel(keras.Model):
             if self._per_example_loss is None:
                 raise ValueError("Call compile(loss=...) before training a PerExampleModel.")
 
-            def with_scale(leaf):
-                def scaled(y_true, y_pred):
-                    values = leaf(y_true, y_pred)
-                    if self._loss_scale is None:
-                        return values
-                    return values * ops.cast(self._loss_scale, values.dtype)
-                return scaled
-
-            loss = keras.tree.map_structure(with_scale, self._per_example_loss)
-            self._per_example = PerExample(self.model, loss, training=True)
+            self._per_example = PerExample(self.model, self._per_example_loss, training=True)
         return self._per_example
 
     def _current_loss_scale(self):
@@ -424,7 +376,7 @@ class PerExampleModel(keras.Model):
             or getattr(optimizer, "loss_scale_factor", None) is not None
         if not scaled:
             return None
-        return tf.cast(optimizer.scale_loss(tf.constant(1.0, tf.float32)), tf.float32)
+        return ops.cast(optimizer.scale_loss(ops.convert_to_tensor(1.0, "float32")), "float32")
 
     def _regularization_gradients(self, variables: list) -> list | None:
         regularized = [v for v in variables if getattr(v, "regularizer", None) is not None]
@@ -464,12 +416,9 @@ class PerExampleModel(keras.Model):
             y = [y[name] for name in self._target_order]
         checks = self._check_example_mixing(engine, x, y, sample_weight)
         scale = self._current_loss_scale()
-        self._loss_scale = scale
-        try:
-            with tf.control_dependencies(checks), _RecordingScope() as scope:
-                result = engine.compute(x, y, sample_weight)
-        finally:
-            self._loss_scale = None
+        with tf.control_dependencies(checks), _RecordingScope() as scope:
+            # A loss scaled by S is the loss with every example's weight multiplied by S.
+            result = engine.compute(x, y, _scaled_weights(sample_weight, scale, x))
         with tf.control_dependencies(checks):  # a refused first step changes no state at all
             self._apply_state_updates(scope)
         variables = result.variables
@@ -625,6 +574,29 @@ class _values_restored_on_error:
                 if value is not None and held_value(variable) is None:
                     variable.assign(value)
         return False
+
+
+def _scaled_weights(sample_weight, scale, x):
+    """``S w_i`` (``S`` for every example without weights): the weights under which the
+    engine's per-example losses are the loss-scaled ones, ``S w_i l_i``."""
+    if scale is None:
+        return sample_weight
+    if sample_weight is None:
+        return ops.full([ops.shape(keras.tree.flatten(x)[0])[0]], scale, dtype="float32")
+    return ops.cast(sample_weight, "float32") * ops.cast(scale, "float32")
+
+
+def _require_one_process_for_monitor(monitor) -> None:
+    """A monitor keeps its tables in the host memory of one process: on several JAX processes
+    each would hold a different part of the batch's statistics."""
+    if monitor is None:
+        return
+    import jax
+    if jax.process_count() > 1:
+        raise ValueError(
+            f"A GradientMonitor keeps its per-example tables in one process; this run has "
+            f"{jax.process_count()} JAX processes. Train without a monitor here (several "
+            "devices in one process are fine), or monitor a one-process run.")
 
 
 def _require_shared_seed(aggregator) -> None:

@@ -54,15 +54,25 @@ class Rule:
 _RULES: dict[type, Rule] = {}
 
 
-def register(layer_class: type, *, splits_activation: bool = False,
+def register(*layer_classes: type, splits_activation: bool = False,
              check_call: Callable | None = None, applies: Callable | None = None,
-             forward: Callable | None = None):
-    """Register ``fn(layer, call, output_grad) -> list[Form]`` as the rule for ``layer_class``
-    (``forward``: the optional hook described in the module docstring)."""
+             forward: Callable | None = None) -> Callable:
+    """Register ``fn(layer, call, output_grad) -> list[Form]`` as the rule for each of
+    ``layer_classes`` (a decorator). ``splits_activation``: the engine taps the pre-activation
+    of layers with an ``activation`` attribute; ``applies(layer) -> bool``: the rule holds for
+    this instance (else the generic rule); ``check_call(layer, call)``: raise for a call the
+    rule cannot handle; ``forward``: the optional hook described in the module docstring. A
+    later registration for a class replaces the earlier one."""
+    if not layer_classes:
+        raise TypeError("register() needs at least one layer class.")
+    for layer_class in layer_classes:
+        if not isinstance(layer_class, type):
+            raise TypeError(f"register() takes layer classes, got {layer_class!r}.")
 
     def decorate(fn):
-        _RULES[layer_class] = Rule(fn, layer_class, splits_activation, check_call, applies,
-                                   forward)
+        for layer_class in layer_classes:
+            _RULES[layer_class] = Rule(fn, layer_class, splits_activation, check_call, applies,
+                                       forward)
         return fn
 
     return decorate
@@ -89,6 +99,7 @@ def plain_weights(layer) -> bool:
 
 
 def registered_layer_classes() -> list[type]:
+    """The layer classes that have a rule (a subclass that overrides ``call`` does not)."""
     return list(_RULES)
 
 

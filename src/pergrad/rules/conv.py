@@ -149,5 +149,5 @@ def _filter_gradient(layer, x, d):
                                   dilation_rate=list(layer.dilation_rate)), kernel, d)
 
 
-for _cls in (keras.layers.Conv1D, keras.layers.Conv2D, keras.layers.Conv3D):
-    register(_cls, splits_activation=True, applies=plain_weights)(conv_rule)
+register(keras.layers.Conv1D, keras.layers.Conv2D, keras.layers.Conv3D, splits_activation=True,
+         applies=plain_weights)(conv_rule)

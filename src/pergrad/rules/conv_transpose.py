@@ -64,6 +64,6 @@ def _filter_gradient(layer, x, d):
                ops.zeros(layer.kernel.shape, x.dtype), d)
 
 
-for _cls in (keras.layers.Conv1DTranspose, keras.layers.Conv2DTranspose,
-             keras.layers.Conv3DTranspose):
-    register(_cls, splits_activation=True, applies=plain_weights)(conv_transpose_rule)
+register(keras.layers.Conv1DTranspose, keras.layers.Conv2DTranspose,
+         keras.layers.Conv3DTranspose, splits_activation=True,
+         applies=plain_weights)(conv_transpose_rule)

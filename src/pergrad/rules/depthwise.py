@@ -99,7 +99,7 @@ def separable_rule(layer, call: LayerCall, grad) -> list:
     ]
 
 
-for _cls in (keras.layers.DepthwiseConv1D, keras.layers.DepthwiseConv2D):
-    register(_cls, splits_activation=True, applies=plain_weights)(depthwise_rule)
-for _cls in (keras.layers.SeparableConv1D, keras.layers.SeparableConv2D):
-    register(_cls, splits_activation=True, applies=plain_weights)(separable_rule)
+register(keras.layers.DepthwiseConv1D, keras.layers.DepthwiseConv2D, splits_activation=True,
+         applies=plain_weights)(depthwise_rule)
+register(keras.layers.SeparableConv1D, keras.layers.SeparableConv2D, splits_activation=True,
+         applies=plain_weights)(separable_rule)

@@ -1,8 +1,8 @@
 """The shapes a per-example gradient can take before it is materialized.
 
 A rule never returns a ``(B, *var.shape)`` tensor unless that is the cheapest honest form. It
-returns one of three *forms*, each of which knows how to compute, for its variable ``W`` and every
-example ``i`` of the batch:
+returns *forms* (the :class:`Form` protocol; the classes below implement it), each of which
+knows how to compute, for its variable ``W`` and every example ``i`` of the batch:
 
 * ``materialize()``     -> ``g_i``                   shape ``(B, *W.shape)``
 * ``squared_norms()``   -> ``||g_i||^2``             shape ``(B,)``
@@ -29,7 +29,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 
 from keras import ops
 
@@ -44,6 +44,7 @@ from pergrad.backend.ops import (
     trace_token,
     zero_rows,
 )
+from pergrad.rules.cost import prefers_ghost
 
 Tensor = Any
 
@@ -129,13 +130,11 @@ class Factored:
         return self._to_variable_layout(m, batched=True)
 
     def _materializing(self) -> bool:
-        """Whether norms go through the per-example matrices (``T I O`` per example) rather than
-        the ghost Gram form (``T^2 (I + O)``). One batched GEMM runs about twice as fast per
-        multiply-add as the two Gram einsums here, hence the factor 2 (measured on the benchmark
-        CNN's second layer: 5.1 ms materialized against 5.9 ms ghost at ``T I O = 0.9 T^2 (I+O)``)."""
+        """Whether norms and dots go through the per-example matrices (``T I O`` per example)
+        rather than the ghost Gram form (``T^2 (I + O)``): :func:`pergrad.rules.cost.prefers_ghost`."""
         t, i, o = (static_or_none(self.a.shape[1]), static_or_none(self.a.shape[3]),
                    static_or_none(self.d.shape[3]))
-        return t is None or t * i * o <= 2 * t * t * (i + o)
+        return not prefers_ghost(t, i, o)
 
     def squared_norms(self) -> Tensor:
         t = static_or_none(self.a.shape[1])
@@ -178,10 +177,10 @@ class Factored:
 
     def gram(self) -> Tensor:
         """``K[i, j] = <g_i, g_j>``, ``(B, B)``: ghost ``sum_{t,s} (a_it . a_js)(d_it . d_js)``
-        or the materialized ``M M^T``, whichever costs less."""
+        or the materialized ``M M^T``, whichever :mod:`pergrad.rules.cost` finds cheaper."""
         t, i, o = (static_or_none(self.a.shape[1]), static_or_none(self.a.shape[3]),
                    static_or_none(self.d.shape[3]))
-        if t is not None and t * t * (i + o) < t * i * o + i * o:
+        if prefers_ghost(t, i, o, batch=static_or_none(self.a.shape[0]), pairs=True):
             gram_a = ops.einsum("btgi,csgi->bcgts", self.a, self.a)
             gram_d = ops.einsum("btgo,csgo->bcgts", self.d, self.d)
             return ops.sum(gram_a * gram_d, axis=[2, 3, 4])
@@ -371,7 +370,42 @@ class Scaled:
         return Materialized(self.variable, self.materialize() + other.materialize())
 
 
-Form = Factored | Materialized | Rows | Scaled
+@runtime_checkable
+class Form(Protocol):
+    """What every per-example gradient form provides, for its variable ``W`` and every example
+    ``i`` of the batch (``g_i = dl_i/dW``). A rule may return its own class with these members;
+    the engine uses nothing else.
+
+    * ``variable``: the Keras variable ``W``;
+    * ``signature``: a hashable description; two forms of one variable with equal types and
+      signatures can be merged by ``merged_with`` (several calls of one layer);
+    * ``materialize() -> (B, *W.shape)``: ``g_i``;
+    * ``squared_norms() -> (B,)``: ``||g_i||^2``;
+    * ``dots(V) -> (B,)``: ``<g_i, V>`` for ``V`` of ``W``'s shape;
+    * ``weighted_sum(c) -> W.shape``: ``sum_i c_i g_i``;
+    * ``gram() -> (B, B)``: ``<g_i, g_j>``;
+    * ``masked(keep) -> Form``: the form with ``g_i = 0`` where ``keep[i]`` is false;
+    * ``merged_with(other) -> Form``: the form of ``g_i + g'_i``.
+    """
+
+    variable: Any
+
+    @property
+    def signature(self) -> tuple: ...
+
+    def materialize(self) -> Tensor: ...
+
+    def squared_norms(self) -> Tensor: ...
+
+    def dots(self, vector: Tensor) -> Tensor: ...
+
+    def weighted_sum(self, coefficients: Tensor) -> Tensor: ...
+
+    def gram(self) -> Tensor: ...
+
+    def masked(self, keep: Tensor) -> Form: ...
+
+    def merged_with(self, other: Form) -> Form: ...
 
 
 def combine(forms: list[Form]) -> Form:

@@ -95,8 +95,6 @@ def _refuse_training_mode(layer, call: LayerCall) -> None:
         )
 
 
-register(keras.layers.LayerNormalization)(normalization_rule)
-if _RMS:
-    register(_RMS[0])(normalization_rule)
-register(keras.layers.GroupNormalization)(normalization_rule)
+register(keras.layers.LayerNormalization, keras.layers.GroupNormalization,
+         *_RMS)(normalization_rule)
 register(keras.layers.BatchNormalization, check_call=_refuse_training_mode)(normalization_rule)

@@ -267,5 +267,4 @@ def _exact(layer) -> bool:
             and cell.kernel.trainable)
 
 
-for _cls in _CELLS:
-    register(_cls, applies=_exact, forward=recurrent_forward)(recurrent_rule)
+register(*_CELLS, applies=_exact, forward=recurrent_forward)(recurrent_rule)

@@ -23,62 +23,72 @@ from __future__ import annotations
 
 from typing import Any
 
-import tensorflow as tf
+import keras
+import numpy as np
+from keras import ops
 
 #: What :func:`class_scores` returns per example.
 CLASS_SCORES = ("margin", "error_norm", "correct")
+
+
+def _is_tensor(value: Any) -> bool:
+    return ops.is_tensor(value) or isinstance(value, keras.KerasTensor)
 
 
 def classifier_outputs(predictions: Any, labels: Any) -> bool:
     """Whether ``predictions`` and ``labels`` (static shapes) look like one classifier's outputs
     and class labels: one output tensor ``(B,)``, ``(B, 1)`` or ``(B, C)``, and labels ``(B,)``,
     ``(B, 1)`` or ``(B, C)``."""
-    if not (tf.is_tensor(predictions) and tf.is_tensor(labels)):
+    if not (_is_tensor(predictions) and _is_tensor(labels)):
         return False
-    p, y = predictions.shape, labels.shape
-    if p.rank not in (1, 2) or y.rank not in (1, 2):
+    p, y = tuple(predictions.shape), tuple(labels.shape)
+    if len(p) not in (1, 2) or len(y) not in (1, 2):
         return False
-    classes = 1 if p.rank == 1 else p[-1]
-    return not (y.rank == 2 and y[-1] not in (1, classes) and None not in (y[-1], classes))
+    classes = 1 if len(p) == 1 else p[-1]
+    return not (len(y) == 2 and y[-1] not in (1, classes) and None not in (y[-1], classes))
 
 
-def _two_or_more_columns(predictions: tf.Tensor, from_logits: bool) -> tf.Tensor:
-    z = predictions[:, None] if predictions.shape.rank == 1 else predictions
+def _two_or_more_columns(predictions: Any, from_logits: bool) -> Any:
+    z = predictions[:, None] if len(predictions.shape) == 1 else predictions
     if z.shape[-1] is None:
         raise ValueError("A classifier's number of outputs must be known when tracing; got "
-                         f"predictions of shape {predictions.shape}.")
+                         f"predictions of shape {tuple(predictions.shape)}.")
     if z.shape[-1] != 1:
         return z
     if from_logits:
-        return tf.concat([tf.zeros_like(z), z], axis=1)
-    return tf.concat([1.0 - z, z], axis=1)
+        return ops.concatenate([ops.zeros_like(z), z], axis=1)
+    return ops.concatenate([1.0 - z, z], axis=1)
 
 
-def given_classes(labels: tf.Tensor, num_classes: int) -> tf.Tensor:
+def given_classes(labels: Any, num_classes: int) -> Any:
     """``(B,)`` int32 class indices from integer labels or one-hot/soft rows."""
-    if labels.shape.rank == 2 and labels.shape[-1] == num_classes and num_classes > 1:
-        return tf.argmax(labels, axis=1, output_type=tf.int32)
-    flat = tf.reshape(labels, [-1])
-    if flat.dtype.is_floating:
-        flat = tf.round(flat)
-    return tf.cast(flat, tf.int32)
+    if len(labels.shape) == 2 and labels.shape[-1] == num_classes and num_classes > 1:
+        return ops.cast(ops.argmax(labels, axis=1), "int32")
+    flat = ops.reshape(labels, [-1])
+    if keras.backend.is_float_dtype(keras.backend.standardize_dtype(flat.dtype)):
+        flat = ops.round(flat)
+    return ops.cast(flat, "int32")
 
 
-def class_scores(predictions: tf.Tensor, labels: tf.Tensor, from_logits: bool
-                 ) -> dict[str, tf.Tensor]:
+def class_scores(predictions: Any, labels: Any, from_logits: bool) -> dict[str, Any]:
     """``{"margin", "error_norm", "correct"}``, each ``(B,)`` in float32 (``correct`` is 0/1),
-    as defined in the module docstring."""
-    z = tf.cast(_two_or_more_columns(predictions, from_logits), tf.float32)
+    as defined in the module docstring (traceable, any backend)."""
+    predictions = ops.convert_to_tensor(predictions)
+    labels = ops.convert_to_tensor(labels)
+    z = ops.cast(_two_or_more_columns(predictions, from_logits), "float32")
     classes = z.shape[-1]
     given = given_classes(labels, classes)
-    onehot = tf.one_hot(given, classes, dtype=z.dtype)
-    probabilities = tf.nn.softmax(z, axis=1) if from_logits else z
-    own = tf.reduce_sum(z * onehot, axis=1)
-    others = tf.reduce_max(tf.where(onehot > 0, tf.fill(tf.shape(z), z.dtype.min), z), axis=1)
+    onehot = ops.one_hot(given, classes, dtype="float32")
+    probabilities = ops.softmax(z, axis=1) if from_logits else z
+    own = ops.sum(z * onehot, axis=1)
+    lowest = ops.full_like(z, float(np.finfo(np.float32).min))
+    others = ops.max(ops.where(onehot > 0, lowest, z), axis=1)
+    error = probabilities - onehot
+    predicted = ops.cast(ops.argmax(z, axis=1), "int32")
     return {
         "margin": own - others,
-        "error_norm": tf.norm(probabilities - onehot, axis=1),
-        "correct": tf.cast(tf.equal(tf.argmax(z, axis=1, output_type=tf.int32), given), z.dtype),
+        "error_norm": ops.sqrt(ops.sum(error * error, axis=1)),
+        "correct": ops.cast(ops.equal(predicted, given), "float32"),
     }
 
 

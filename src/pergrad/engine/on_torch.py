@@ -1,0 +1,347 @@
+"""The PyTorch engine: one ``torch.autograd.grad`` to zero perturbations added at the tapped
+pre-activations, then the same rules as every backend; and the whole-model baselines ``loop``,
+``vmap`` and ``jacobian``, all returning a :class:`PerExampleResult`.
+
+Keras's torch backend runs eagerly and records every operation on torch's autograd tape, as an
+ordinary PyTorch module does; nothing here is compiled (``torch.compile`` did not win, see
+docs/backends.md).
+
+**Taps.** For the summed loss ``L`` and a tapped pre-activation ``z_k``, the forward pass adds a
+zero tensor ``e_k`` that requires grad (a leaf of the autograd graph) to ``z_k`` as the layer's
+call is recorded; ``dL/dz_k = dL/de_k`` at ``e = 0``, so one ``torch.autograd.grad`` of ``L``
+with respect to every ``e_k`` returns the gradient at every tap in one backward pass. Autograd
+computes only what reaches the taps: no weight gradient is formed. The recorded layer inputs are
+detached before the rules see them.
+
+**Generic rule.** A layer without a rule gets ``g_i = d/dW <f(x_i; W), D_i>`` by
+``torch.func.vmap`` over examples of ``torch.func.grad`` through ``layer.stateless_call``. Where
+vmap cannot run the layer (an op without a batching rule that raises, a data-dependent branch),
+a per-example loop of the same function computes the same numbers, with one warning naming the
+layer. A layer that draws random numbers in training mode (dropout inside an LSTM) is replayed
+on the whole batch with the seed state it ran with (the same mask) and differentiated per
+example by ``torch.func.jacrev``.
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import Any
+
+import keras
+import torch
+
+from pergrad._compat import autocast_scope, call_takes_training, owns_seed_generator, sublayers
+from pergrad.engine.intercept import record_calls
+from pergrad.engine.losses import weighted_losses
+from pergrad.engine.plan import Plan
+from pergrad.engine.result import PerExampleResult
+from pergrad.rules import LayerCall, combine
+from pergrad.rules.forms import Materialized
+
+
+def _is_tensor(leaf) -> bool:
+    return isinstance(leaf, torch.Tensor)
+
+
+def _is_float_tensor(leaf) -> bool:
+    return _is_tensor(leaf) and leaf.is_floating_point()
+
+
+def _floating_leaves(structure) -> list:
+    return [t for t in keras.tree.flatten(structure) if _is_float_tensor(t)]
+
+
+def _detached(structure):
+    return keras.tree.map_structure(lambda t: t.detach() if _is_tensor(t) else t, structure)
+
+
+def _values(variables: list) -> list:
+    """The variables' values as plain tensors, outside autograd."""
+    return [v.value.detach() for v in variables]
+
+
+def _zero_if_none(grads, like: list) -> list:
+    return [torch.zeros_like(t) if g is None else g for g, t in zip(grads, like, strict=True)]
+
+
+# -- the forward pass, recorded and tapped, and one backward pass ----------------------------------
+def run_auto(model, plan: Plan, loss_fn, x, y, sample_weight, training: bool,
+             warned: set) -> PerExampleResult:
+    """Record, one ``torch.autograd.grad`` of the summed loss to every tap, then rules."""
+    taps: list = []
+
+    def tap(tensors):
+        def add(t):
+            if not _is_float_tensor(t):
+                return t
+            zero = torch.zeros_like(t.detach(), requires_grad=True)
+            taps.append(zero)
+            return t + zero
+        return keras.tree.map_structure(add, tensors)
+
+    order: list[LayerCall] = []
+    with torch.enable_grad():
+        with record_calls(plan, tap=tap, order=order):
+            predictions = model(x, training=training)
+        losses = weighted_losses(loss_fn(y, predictions), sample_weight)
+        residual = [v.value for v in plan.residual]
+        tap_grads = _zero_if_none(torch.autograd.grad(
+            torch.sum(losses), taps, allow_unused=True, retain_graph=bool(residual)), taps) \
+            if taps else []
+        residual_grads = _per_example_jacobian(losses, residual) if residual else []
+
+    rules = {id(layer): rule for layer, rule in plan.ruled}
+    by_variable: dict[int, list] = {}
+    position = 0
+    for record in order:
+        count = len(_floating_leaves(record.tapped))
+        grads = tap_grads[position:position + count]
+        position += count
+        call = LayerCall(record.layer, _detached(record.args), _detached(record.kwargs), None,
+                         record.saved)
+        rule = rules.get(id(record.layer))
+        if rule is not None:
+            forms = rule.fn(record.layer, call, grads[0])
+        else:
+            forms = generic_forms(record.layer, call, grads, training, warned)
+        for form in forms:
+            by_variable.setdefault(id(form.variable), []).append(form)
+    for variable, grad in zip(plan.residual, residual_grads, strict=True):
+        by_variable.setdefault(id(variable), []).append(
+            Materialized(variable, grad.to(_torch_dtype(variable))))
+    trainable = list(model.trainable_variables)
+    forms = [combine(by_variable[id(v)]) if id(v) in by_variable else None for v in trainable]
+    return PerExampleResult(trainable, forms, losses.detach(), _detached(predictions))
+
+
+def _torch_dtype(variable) -> torch.dtype:
+    return variable.value.dtype
+
+
+def _per_example_jacobian(losses, inputs: list) -> list:
+    """``d l_i / d input`` for every example, ``(B, *input.shape)``: one backward pass per
+    example, vectorized by autograd (``is_grads_batched``), a loop where that cannot run."""
+    eye = torch.eye(losses.shape[0], dtype=losses.dtype, device=losses.device)
+    try:
+        grads = torch.autograd.grad(losses, inputs, grad_outputs=eye, is_grads_batched=True,
+                                    allow_unused=True, retain_graph=True)
+        return [torch.zeros((len(eye), *t.shape), dtype=t.dtype, device=t.device)
+                if g is None else g
+                for g, t in zip(grads, inputs, strict=True)]
+    except RuntimeError:
+        rows = [_zero_if_none(torch.autograd.grad(losses[i], inputs, allow_unused=True,
+                                                  retain_graph=True), inputs)
+                for i in range(len(eye))]
+        return [torch.stack(list(column)) for column in zip(*rows, strict=True)]
+
+
+# -- the generic rule ---------------------------------------------------------------------------
+def _batched(leaf, batch: int) -> bool:
+    return _is_tensor(leaf) and leaf.dim() > 0 and leaf.shape[0] == batch
+
+
+def generic_forms(layer, call: LayerCall, grads: list, training: bool,
+                  warned: set) -> list[Materialized]:
+    """``g_i = d/dW <f(x_i; W), D_i>`` for every trainable variable of ``layer``:
+    ``torch.func.vmap`` over examples of one layer's VJP through ``stateless_call``, a
+    per-example loop (warned once per layer) where vmap cannot run the layer."""
+    if training and any(_draws_random(s) for s in sublayers(layer, include_self=True)):
+        return _replayed_forms(layer, call, grads)
+    variables = layer.trainable_variables
+    values = _values(variables)
+    frozen = _values(layer.non_trainable_variables)
+    leaves = keras.tree.flatten((call.args, call.kwargs))
+    batch = grads[0].shape[0]
+    batched = [i for i, leaf in enumerate(leaves) if _batched(leaf, batch)]
+
+    def one_example(example_leaves, example_grads):
+        full = list(leaves)
+        for k, i in enumerate(batched):
+            full[i] = example_leaves[k][None]
+        args, kwargs = keras.tree.pack_sequence_as((call.args, call.kwargs), full)
+
+        def inner(vals):
+            with autocast_scope(layer):
+                out, _ = layer.stateless_call(vals, frozen, *args, **kwargs)
+            outs = _floating_leaves(out)
+            return sum(torch.sum(o * g[None].to(o.dtype))
+                       for o, g in zip(outs, example_grads, strict=True))
+
+        return torch.func.grad(inner)(values)
+
+    example_leaves = [leaves[i] for i in batched]
+    try:
+        per_example = torch.func.vmap(one_example)(example_leaves, list(grads))
+    except Exception as error:  # noqa: BLE001 - vmap raises several types for what it cannot batch
+        if id(layer) not in warned:
+            warned.add(id(layer))
+            warnings.warn(
+                f"pergrad: torch.func.vmap cannot run layer {layer.name!r} "
+                f"({type(layer).__name__}) ({type(error).__name__}: "
+                f"{' '.join(str(error).split())[:240]}); its per-example "
+                "gradients are computed with a per-example loop, which is slower but exact.",
+                RuntimeWarning, stacklevel=2)
+        rows = [one_example([t[i] for t in example_leaves], [g[i] for g in grads])
+                for i in range(batch)]
+        per_example = [torch.stack(list(column)) for column in zip(*rows, strict=True)]
+    return [Materialized(v, g.to(_torch_dtype(v))) for v, g in zip(variables, per_example,
+                                                                   strict=True)]
+
+
+def _draws_random(layer) -> bool:
+    """Whether ``layer`` itself draws random numbers in training mode: it owns a seed generator
+    and is not a dropout layer or recurrent cell whose rates are all 0 (Keras's cells own one
+    even without dropout)."""
+    if not owns_seed_generator(layer):
+        return False
+    rates = [getattr(layer, name) for name in ("rate", "dropout", "recurrent_dropout")
+             if isinstance(getattr(layer, name, None), (int, float))]
+    return not rates or any(rate > 0 for rate in rates)
+
+
+def _replayed_forms(layer, call: LayerCall, grads: list) -> list[Materialized]:
+    """The layer replayed on the whole batch with the non-trainable values its call ran with
+    (``call.saved``: the seed states, so the same dropout masks), ``s_i(W) = <f(x; W)_i, D_i>``
+    differentiated per example by ``torch.func.jacrev``: exact for the masks drawn."""
+    variables = layer.trainable_variables
+    frozen = call.saved
+    batch = grads[0].shape[0]
+
+    def per_example(values):
+        with autocast_scope(layer):
+            out, _ = layer.stateless_call(values, frozen, *call.args, **call.kwargs)
+        outs = _floating_leaves(out)
+        return sum(torch.sum(torch.reshape(o * g.to(o.dtype), (batch, -1)), dim=1)
+                   for o, g in zip(outs, grads, strict=True))
+
+    jacobians = torch.func.jacrev(per_example)(_values(variables))
+    return [Materialized(v, j.to(_torch_dtype(v))) for v, j in zip(variables, jacobians,
+                                                                   strict=True)]
+
+
+# -- whole-model baselines ------------------------------------------------------------------------
+def _example_loss(model, loss_fn, training: bool, frozen: list):
+    def loss(values, xi, yi, wi):
+        xi = keras.tree.map_structure(lambda t: t[None], xi)
+        yi = None if yi is None else keras.tree.map_structure(lambda t: t[None], yi)
+        kwargs = {"training": training} if call_takes_training(model) else {}
+        with autocast_scope(model):
+            predictions, _ = model.stateless_call(values, frozen, xi, **kwargs)
+        return weighted_losses(loss_fn(yi, predictions), wi[None])[0]
+    return loss
+
+
+def _unit_weights(x, sample_weight):
+    if sample_weight is not None:
+        return sample_weight
+    first = keras.tree.flatten(x)[0]
+    return torch.ones([first.shape[0]], dtype=getattr(torch, keras.config.floatx()),
+                      device=first.device)
+
+
+def _materialized(model, grads, losses, predictions) -> PerExampleResult:
+    variables = list(model.trainable_variables)
+    forms = [Materialized(v, g.to(_torch_dtype(v))) for v, g in zip(variables, grads,
+                                                                    strict=True)]
+    return PerExampleResult(variables, forms, losses.detach(), _detached(predictions))
+
+
+def _predictions(model, x, training: bool):
+    with torch.no_grad():
+        return model(x, training=training)
+
+
+def run_vmap(model, loss_fn, x, y, sample_weight, training: bool) -> PerExampleResult:
+    """``torch.func.vmap(torch.func.grad(...))`` of one example's loss through
+    ``model.stateless_call``."""
+    values = _values(model.trainable_variables)
+    frozen = _values(model.non_trainable_variables)
+    value_and_grad = torch.func.grad_and_value(_example_loss(model, loss_fn, training, frozen))
+
+    def one(xi, yi, wi):
+        grads, loss = value_and_grad(values, xi, yi, wi)
+        return loss, grads
+
+    try:
+        losses, grads = torch.func.vmap(one)(x, y, _unit_weights(x, sample_weight))
+    except Exception as error:  # noqa: BLE001 - vmap raises several types for what it cannot batch
+        raise NotImplementedError(
+            "strategy='vmap' on the PyTorch backend: torch.func.vmap cannot run this model "
+            f"({type(error).__name__}: {' '.join(str(error).split())[:300]}). Keras's torch "
+            "convolutions, "
+            "for one, copy their input to channels_last, which vmap does not support. Use "
+            "strategy='auto' (the default) or 'loop'; see docs/backends.md.") from error
+    return _materialized(model, grads, losses, _predictions(model, x, training))
+
+
+def run_loop(model, loss_fn, x, y, sample_weight, training: bool) -> PerExampleResult:
+    """One gradient per example in a Python loop: the reference the others match."""
+    values = _values(model.trainable_variables)
+    frozen = _values(model.non_trainable_variables)
+    value_and_grad = torch.func.grad_and_value(_example_loss(model, loss_fn, training, frozen))
+    w = _unit_weights(x, sample_weight)
+    losses, rows = [], []
+    for i in range(w.shape[0]):
+        xi = keras.tree.map_structure(lambda t, i=i: t[i], x)
+        yi = None if y is None else keras.tree.map_structure(lambda t, i=i: t[i], y)
+        grads, loss = value_and_grad(values, xi, yi, w[i])
+        losses.append(loss)
+        rows.append(grads)
+    grads = [torch.stack(list(column)) for column in zip(*rows, strict=True)]
+    return _materialized(model, grads, torch.stack(losses), _predictions(model, x, training))
+
+
+def _batch_losses(model, loss_fn, x, y, sample_weight, training: bool):
+    """``values -> (l, predictions)``: the weighted per-example losses of the whole batch as a
+    function of the trainable values, through ``stateless_call``."""
+    frozen = _values(model.non_trainable_variables)
+    kwargs = {"training": training} if call_takes_training(model) else {}
+
+    def losses_of(values):
+        with autocast_scope(model):
+            predictions, _ = model.stateless_call(values, frozen, x, **kwargs)
+        return weighted_losses(loss_fn(y, predictions), sample_weight), predictions
+
+    return losses_of
+
+
+def run_jacobian(model, loss_fn, x, y, sample_weight, training: bool) -> PerExampleResult:
+    """``torch.func.jacrev`` of the per-example losses with respect to every trainable
+    variable."""
+    losses_of = _batch_losses(model, loss_fn, x, y, sample_weight, training)
+
+    def with_aux(values):
+        losses, predictions = losses_of(values)
+        return losses, (losses, predictions)
+
+    grads, (losses, predictions) = torch.func.jacrev(with_aux, has_aux=True)(
+        _values(model.trainable_variables))
+    return _materialized(model, grads, losses, predictions)
+
+
+RUNNERS: dict[str, Any] = {"jacobian": run_jacobian, "vmap": run_vmap, "loop": run_loop}
+
+
+# -- the batch gradient and "compilation" ---------------------------------------------------------
+def batch_gradient(model, loss_fn, x, y, sample_weight, training: bool) -> list:
+    """``d/dtheta sum_i l_i`` by one ordinary autograd pass: what :meth:`PerExample.check`
+    compares ``sum_i g_i`` with."""
+    values = [v.value for v in model.trainable_variables]
+    with torch.enable_grad():
+        total = torch.sum(weighted_losses(loss_fn(y, model(x, training=training)),
+                                          sample_weight))
+        grads = torch.autograd.grad(total, values, allow_unused=True)
+    return _zero_if_none(grads, [v.detach() for v in values])
+
+
+def compile_function(model, body, on_trace) -> Any:
+    """``body(*args)``, run eagerly with autograd off (the engine turns it on for its one
+    backward pass). Nothing is traced, so ``on_trace`` is never called: ``trace_counts`` stays
+    0 on PyTorch."""
+    del model, on_trace
+
+    def call(*args):
+        with torch.no_grad():
+            return body(*args)
+
+    return call

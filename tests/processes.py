@@ -1,0 +1,32 @@
+"""Bounded child processes for the multi-process tests: every child is stopped by its own
+process id when the time runs out, whatever happened."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import time
+from collections.abc import Sequence
+
+
+def run_bounded(commands: Sequence[Sequence[str]], timeout: float,
+                env: dict[str, str] | None = None) -> list[subprocess.CompletedProcess]:
+    """Start every command at once, wait for all of them for at most ``timeout`` seconds in
+    all, and return their results in order. Raises ``subprocess.TimeoutExpired`` when time runs
+    out; every child still running is then killed by its pid."""
+    procs = [subprocess.Popen(list(command), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                              text=True, env=env) for command in commands]
+    deadline = time.monotonic() + timeout
+    results = []
+    try:
+        for proc in procs:
+            stdout, stderr = proc.communicate(timeout=max(1.0, deadline - time.monotonic()))
+            results.append(subprocess.CompletedProcess(proc.args, proc.returncode, stdout,
+                                                       stderr))
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                os.kill(proc.pid, signal.SIGKILL)
+                proc.wait()
+    return results

@@ -1,0 +1,80 @@
+"""The public rule registry, the ``Form`` protocol and the ghost-vs-materialize cost model."""
+
+from __future__ import annotations
+
+import keras
+import numpy as np
+import pytest
+from oracle import TORCH_FLOAT64_RTOL
+
+import pergrad
+from pergrad.rules import cost, find_rule, register, registered_layer_classes
+from pergrad.rules.forms import Factored, Form, Materialized, Rows, Scaled
+
+pytestmark = pytest.mark.all_backends
+
+
+def test_one_rule_for_several_classes():
+    class ScaleA(keras.layers.Layer):
+        def call(self, x):
+            return x
+
+    class ScaleB(ScaleA):
+        def call(self, x):
+            return 2 * x
+
+    @register(ScaleA, ScaleB)
+    def rule(layer, call, grad):
+        return []
+
+    assert {ScaleA, ScaleB} <= set(registered_layer_classes())
+    assert find_rule(ScaleA()).fn is rule and find_rule(ScaleB()).fn is rule
+    with pytest.raises(TypeError, match="at least one layer class"):
+        register()
+    with pytest.raises(TypeError, match="takes layer classes"):
+        register(ScaleA())
+
+
+def test_builtin_forms_satisfy_the_form_protocol():
+    variable = keras.Variable(np.zeros((3, 2), "float32"))
+    a, d = np.ones((4, 5, 1, 3), "float32"), np.ones((4, 5, 1, 2), "float32")
+    forms = [Factored(variable, a, d, (3, 1, 2)), Materialized(variable, np.zeros((4, 3, 2))),
+             Rows(variable, np.zeros((4, 5), "int32"), np.ones((4, 5, 2), "float32"))]
+    forms.append(Scaled(forms[0], 2.0))
+    assert all(isinstance(form, Form) for form in forms)
+    assert not isinstance(object(), Form)
+
+
+def test_cost_model_counts_multiply_adds():
+    # T = 9, I = O = 64 (a 3x3 convolution, 64 channels): ghost 2 * 81 * 128 = 20,736 against
+    # 9 * 64 * 64 + 64 * 64 = 40,960 materialized: ghost.
+    assert cost.ghost_cost(9, 64, 64) == 81 * 128
+    assert cost.materialized_cost(9, 64, 64) == 9 * 64 * 64 + 64 * 64
+    assert cost.prefers_ghost(9, 64, 64)
+    # T = 196, I = 64, O = 16 (a first convolution): the T^2 term dominates: materialize.
+    assert not cost.prefers_ghost(196, 64, 16)
+    # Unknown positions always materialize (the ghost cost grows without bound in T).
+    assert not cost.prefers_ghost(None, 64, 64) and not cost.prefers_ghost(-1, 64, 64)
+    # Gram matrices over B examples: B^2 T^2 (I + O) against B T I O + B^2 I O.
+    assert cost.ghost_cost(9, 64, 64, batch=8, pairs=True) == 64 * 81 * 128
+    assert cost.materialized_cost(9, 64, 64, batch=8, pairs=True) == 8 * 9 * 4096 + 64 * 4096
+    assert not cost.prefers_ghost(9, 64, 64, batch=8, pairs=True)  # 1.33M vs 557k
+    assert cost.prefers_ghost(2, 512, 512, batch=8, pairs=True)
+
+
+@pytest.mark.parametrize("positions", [2, 30])  # a ghost and a materialized layer
+def test_both_routes_give_the_same_norms_and_gram(positions, float64, rng):
+    model = keras.Sequential([keras.Input((positions, 24)), keras.layers.Dense(24),
+                              keras.layers.Flatten(), keras.layers.Dense(3)])
+    x = rng.normal(size=(6, positions, 24))
+    y = rng.integers(0, 3, size=6)
+    pex = pergrad.PerExample(model, keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    gradients = [np.reshape(keras.ops.convert_to_numpy(g), (6, -1)) for g in pex.gradients(x, y)]
+    flat = np.concatenate(gradients, axis=1)
+    # Keras's torch backend multiplies float64 tensors in float32 (tests/oracle.py).
+    rtol = TORCH_FLOAT64_RTOL if keras.backend.backend() == "torch" else 1e-9
+    np.testing.assert_allclose(keras.ops.convert_to_numpy(pex.norms(x, y)),
+                               np.linalg.norm(flat, axis=1), rtol=rtol)
+    result = pex.compute(x, y)
+    np.testing.assert_allclose(keras.ops.convert_to_numpy(result.gram()), flat @ flat.T,
+                               rtol=rtol, atol=1e-12)
