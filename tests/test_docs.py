@@ -22,8 +22,8 @@ PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 BLOCK = re.compile(r"^```python\n(.*?)^```", re.S | re.M)
 TIMEOUT_S = 600
 
-# The pages whose examples are backend-neutral (keras.ops and NumPy). docs/training.md and
-# docs/analysis.md are to be added here once their examples are backend-neutral.
+# The pages whose examples are backend-neutral (keras.ops and NumPy): today every page that has
+# ```python examples.
 JAX_PAGES = (
     "README.md",
     "docs/backends.md",
@@ -32,6 +32,8 @@ JAX_PAGES = (
     "docs/per_example_gradients.md",
     "docs/privacy.md",
     "docs/writing_rules.md",
+    "docs/training.md",
+    "docs/analysis.md",
 )
 JAX_PRELUDE = 'import jax\njax.config.update("jax_enable_x64", True)\n'
 
