@@ -78,3 +78,20 @@ def test_both_routes_give_the_same_norms_and_gram(positions, float64, rng):
     result = pex.compute(x, y)
     np.testing.assert_allclose(keras.ops.convert_to_numpy(result.gram()), flat @ flat.T,
                                rtol=rtol, atol=1e-12)
+
+
+@pytest.mark.parametrize("positions", [8, cost.ROWS_PAIRWISE_MAX_POSITIONS + 2])
+def test_embedding_norms_count_repeated_ids_on_every_route(positions, float64, rng):
+    """Rows norms (pairwise on JAX up to ROWS_PAIRWISE_MAX_POSITIONS, sorted beyond, tf.unique on
+    TensorFlow) against the squared materialized rows; ids repeat within examples."""
+    variable = keras.Variable(np.zeros((12, 3)))
+    ids = rng.integers(0, 12, size=(5, positions)).astype("int32")
+    d = rng.normal(size=(5, positions, 3))
+    form = Rows(variable, keras.ops.convert_to_tensor(ids), keras.ops.convert_to_tensor(d))
+    dense = np.zeros((5, 12, 3))
+    for i in range(5):
+        np.add.at(dense[i], ids[i], d[i])
+    np.testing.assert_allclose(keras.ops.convert_to_numpy(form.squared_norms()),
+                               np.sum(dense ** 2, axis=(1, 2)), rtol=1e-5)
+    np.testing.assert_allclose(keras.ops.convert_to_numpy(form.materialize()), dense,
+                               rtol=1e-5, atol=1e-12)

@@ -23,6 +23,14 @@ from __future__ import annotations
 
 GEMM_ADVANTAGE = 2.0
 
+#: An embedding table's norms (``Rows``) on JAX: up to this many positions per example, the
+#: pairwise form ``sum_{t,s} [ids_t = ids_s] (d_t . d_s)`` (``B T^2 (O + 1)`` work, ``B T^2``
+#: floats) beats sorting each example's ids. Measured (jit, CPU, ``O = 16``): 0.17 against
+#: 0.45 ms at ``B = 256, T = 16``; 0.76 against 1.95 ms at ``T = 64``; 3.1 against 4.2 ms at
+#: ``T = 128``; 17.6 against 4.7 ms at ``B = 128, T = 256``. On TensorFlow ``tf.unique`` ties
+#: with it at ``T = 64`` (1.40 against 1.38 ms) and is kept.
+ROWS_PAIRWISE_MAX_POSITIONS = 128
+
 
 def materialized_cost(positions: int, inputs: int, outputs: int, batch: int | None = None,
                       pairs: bool = False) -> float:
@@ -55,4 +63,5 @@ def prefers_ghost(positions: int | None, inputs: int, outputs: int, batch: int |
     return GEMM_ADVANTAGE * ghost < materialized_cost(positions, inputs, outputs, batch, pairs)
 
 
-__all__ = ["GEMM_ADVANTAGE", "ghost_cost", "materialized_cost", "prefers_ghost"]
+__all__ = ["GEMM_ADVANTAGE", "ROWS_PAIRWISE_MAX_POSITIONS", "ghost_cost", "materialized_cost",
+           "prefers_ghost"]

@@ -33,7 +33,7 @@ from typing import Any, Protocol, runtime_checkable
 
 from keras import ops
 
-from pergrad.backend import is_tensorflow
+from pergrad.backend import is_jax, is_tensorflow
 from pergrad.backend.ops import (
     add_n,
     batch_size,
@@ -44,7 +44,7 @@ from pergrad.backend.ops import (
     trace_token,
     zero_rows,
 )
-from pergrad.rules.cost import prefers_ghost
+from pergrad.rules.cost import ROWS_PAIRWISE_MAX_POSITIONS, prefers_ghost
 
 Tensor = Any
 
@@ -285,6 +285,9 @@ class Rows:
         numbers the segments, and segment ``i T + rank_it`` collects id ``n``'s rows."""
         if is_tensorflow():
             return self._squared_norms_by_unique()
+        positions = static_or_none(self.ids.shape[1])
+        if is_jax() and positions is not None and positions <= ROWS_PAIRWISE_MAX_POSITIONS:
+            return self._squared_norms_pairwise()
         batch, t = batch_size(self.ids), ops.shape(self.ids)[1]
         order = ops.argsort(self.ids, axis=1)
         ids = ops.take_along_axis(self.ids, order, axis=1)
@@ -296,6 +299,12 @@ class Rows:
         rows = ops.segment_sum(ops.reshape(d, [-1, d.shape[-1]]), ops.reshape(segment, [-1]),
                                batch * t)
         return ops.sum(ops.reshape(ops.square(rows), [batch, -1]), axis=1)
+
+    def _squared_norms_pairwise(self) -> Tensor:
+        """``||g_i||^2 = sum_{t,s} [ids_it = ids_is] (d_it . d_is)``: the Gram form of the rows,
+        for short sequences (:data:`pergrad.rules.cost.ROWS_PAIRWISE_MAX_POSITIONS`)."""
+        same = ops.cast(ops.equal(self.ids[:, :, None], self.ids[:, None, :]), dtype_of(self.d))
+        return ops.sum(same * ops.einsum("bto,bso->bts", self.d, self.d), axis=[1, 2])
 
     def _squared_norms_by_unique(self) -> Tensor:
         """TensorFlow's fast path: one ``tf.unique`` over the (example, row) keys and two
