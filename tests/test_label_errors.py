@@ -6,7 +6,7 @@ from __future__ import annotations
 import keras
 import numpy as np
 import pytest
-from oracle import assert_close, keras_loss, loop_gradients
+from oracle import assert_close, compiled_like_a_user, keras_loss, loop_gradients, softmax
 
 import pergrad
 from pergrad.demo import flip_classes
@@ -26,23 +26,9 @@ SCCE = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
 BOTH = pytest.mark.all_backends
 
 
-def _compiled(fn):
-    """``fn`` compiled as a user's own loop would be: ``tf.function`` or ``jax.jit``."""
-    if keras.backend.backend() == "jax":
-        import jax
-        return jax.jit(fn)
-    import tensorflow as tf
-    return tf.function(fn)
-
-
-def _softmax(z):
-    e = np.exp(z - z.max(axis=1, keepdims=True))
-    return e / e.sum(axis=1, keepdims=True)
-
-
 def _expected_class_scores(z, labels, from_logits):
     z = np.asarray(z, np.float64)
-    p = _softmax(z) if from_logits else z
+    p = softmax(z) if from_logits else z
     onehot = np.eye(z.shape[1])[labels]
     others = np.where(onehot > 0, -np.inf, z).max(axis=1)
     return {"margin": z[np.arange(len(z)), labels] - others,
@@ -62,7 +48,7 @@ def test_class_scores_match_float64(case):
         got = class_scores(z.astype(f32), labels, True)
         want = _expected_class_scores(z, labels, True)
     elif case == "probabilities":
-        p = _softmax(z)
+        p = softmax(z)
         got = class_scores(p.astype(f32), labels[:, None], False)
         want = _expected_class_scores(p, labels, False)
     elif case == "one_hot":
@@ -112,7 +98,7 @@ def test_monitor_tables_match_float64(float64):
     pred = z.argmax(axis=1)
     monitor = GradientMonitor(num_examples=len(x))
     pex = pergrad.PerExample(model, SCCE)
-    step = _compiled(lambda x, y, i, rate: monitor.compute(
+    step = compiled_like_a_user(lambda x, y, i, rate: monitor.compute(
         pex.compute(x, y), indices=i, labels=y, learning_rate=rate, from_logits=True))
     step(x, pred, np.arange(len(x)), 0.5)        # every example correct
     wrong = (pred + 1) % 3

@@ -13,7 +13,7 @@ import keras
 import numpy as np
 import pytest
 import tensorflow as tf
-from oracle import assert_close
+from oracle import assert_close, compiled_like_a_user, softmax
 
 import pergrad
 from pergrad.keras import PerExampleModel
@@ -81,24 +81,11 @@ def _trainer(monitor, inner=None, custom=False):
     return model
 
 
-def _compiled(fn):
-    """``fn`` compiled as a user's own training loop would be: ``tf.function`` or ``jax.jit``."""
-    if keras.backend.backend() == "jax":
-        import jax
-        return jax.jit(fn)
-    return tf.function(fn)
-
-
-def _softmax(z):
-    e = np.exp(z - z.max(axis=1, keepdims=True))
-    return e / e.sum(axis=1, keepdims=True)
-
-
 def _dense_gradients(w, b, x, y):
     """Per-example gradients ``(B, P)`` and losses of softmax cross-entropy on logits
     ``x @ w + b``, by hand in float64."""
     z = x @ w + b
-    p = _softmax(z)
+    p = softmax(z)
     onehot = np.eye(w.shape[1])[y]
     d = p - onehot
     grads = np.concatenate([(x[:, :, None] * d[:, None, :]).reshape(len(x), -1), d], axis=1)
@@ -243,7 +230,7 @@ def test_compute_in_a_custom_loop_grows_tables():
     monitor = GradientMonitor(every_n_steps=1)
     x, y = _data()
     x = x.astype("float32")
-    step = _compiled(lambda x, y, indices: monitor.compute(pex.compute(x, y), indices=indices))
+    step = compiled_like_a_user(lambda x, y, indices: monitor.compute(pex.compute(x, y), indices=indices))
     for start in (0, 16):
         stats = step(x[start:start + 8], y[start:start + 8], np.arange(start, start + 8) * 2)
     assert set(stats) == set(LOGGED_STATISTICS)
@@ -266,7 +253,7 @@ def test_rankings_follow_the_example_table():
     pex = pergrad.PerExample(inner, SCCE)
     monitor = GradientMonitor()
     x, y = _data()
-    step = _compiled(lambda x, y, i: monitor.compute(pex.compute(x, y), indices=i))
+    step = compiled_like_a_user(lambda x, y, i: monitor.compute(pex.compute(x, y), indices=i))
     for start in (0, 8, 16):
         step(x[start:start + 8].astype("float32"), y[start:start + 8], np.arange(start, start + 8))
     table = monitor.example_table()
@@ -360,7 +347,7 @@ def test_tables_over_several_steps_match_a_float64_replay(float64):
         g, losses, z = _dense_gradients(w, b, x[chosen], y[chosen])
         if step % 2 == 0:
             ref = _reference_statistics(g)
-            p, onehot = _softmax(z), np.eye(classes)[y[chosen]]
+            p, onehot = softmax(z), np.eye(classes)[y[chosen]]
             correct = (z.argmax(axis=1) == y[chosen]).astype(float)
             own = z[np.arange(batch), y[chosen]]
             for column, value in (

@@ -38,43 +38,63 @@ def free_ports(count: int) -> list[int]:
     return ports
 
 
-def worker(index: int, ports: list[int], aggregator: str, steps: int, out: str) -> None:
-    """One worker process: train, time each step, worker 0 writes the median to ``out``."""
-    os.environ["TF_CONFIG"] = json.dumps({
-        "cluster": {"worker": [f"127.0.0.1:{p}" for p in ports]},
-        "task": {"type": "worker", "index": index}})
+def _compiled_model(aggregator: str):
+    """The benchmark CNN in a ``PerExampleModel`` with ``aggregator``, compiled with SGD."""
     import keras
-    import numpy as np
 
     from pergrad import aggregate
-    from pergrad.bench.models import batch, cnn
-    from pergrad.keras import PerExampleModel, fit_distributed, multi_worker_strategy
+    from pergrad.bench.models import cnn
+    from pergrad.keras import PerExampleModel
 
-    strategy = multi_worker_strategy(timeout_seconds=300)
     make = {"mean": aggregate.mean, "median": aggregate.median,
             "dp_mean": lambda: aggregate.dp_mean(1.0, 1.0, seed=0)}[aggregator]
-    with strategy.scope():
-        keras.utils.set_random_seed(0)
-        model = PerExampleModel(cnn(), make())
-        model.compile(optimizer=keras.optimizers.SGD(0.01),
-                      loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
-    x, y = batch("cnn", GLOBAL_BATCH * steps)
-    times: list[float] = []
+    keras.utils.set_random_seed(0)
+    model = PerExampleModel(cnn(), make())
+    model.compile(optimizer=keras.optimizers.SGD(0.01),
+                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    return model
 
-    class Timer(keras.callbacks.Callback):
+
+def _step_timer(times: list[float]):
+    """A callback appending every training step's wall time to ``times``."""
+    import keras
+
+    class StepTimer(keras.callbacks.Callback):
         def on_train_batch_begin(self, step, logs=None):
             self.start = time.perf_counter()
 
         def on_train_batch_end(self, step, logs=None):
             times.append(time.perf_counter() - self.start)
 
-    fit_distributed(model, x, y, batch_size=GLOBAL_BATCH, epochs=2, shuffle=False,
-                    callbacks=[Timer()], strategy=strategy)
+    return StepTimer()
+
+
+def _report_and_exit(index: int, times: list[float], steps: int, out: str) -> None:
+    """Process 0 writes the median step time of the second epoch; every process exits."""
     if index == 0:
+        import numpy as np
         with open(out, "w") as handle:
             json.dump({"median_s": float(np.median(times[steps:]))}, handle)
     sys.stdout.flush()
     os._exit(0)
+
+
+def worker(index: int, ports: list[int], aggregator: str, steps: int, out: str) -> None:
+    """One worker process: train, time each step, worker 0 writes the median to ``out``."""
+    os.environ["TF_CONFIG"] = json.dumps({
+        "cluster": {"worker": [f"127.0.0.1:{p}" for p in ports]},
+        "task": {"type": "worker", "index": index}})
+    from pergrad.bench.models import batch
+    from pergrad.keras import fit_distributed, multi_worker_strategy
+
+    strategy = multi_worker_strategy(timeout_seconds=300)
+    with strategy.scope():
+        model = _compiled_model(aggregator)
+    x, y = batch("cnn", GLOBAL_BATCH * steps)
+    times: list[float] = []
+    fit_distributed(model, x, y, batch_size=GLOBAL_BATCH, epochs=2, shuffle=False,
+                    callbacks=[_step_timer(times)], strategy=strategy)
+    _report_and_exit(index, times, steps, out)
 
 
 def jax_worker(index: int, count: int, port: int, aggregator: str, steps: int,
@@ -88,38 +108,19 @@ def jax_worker(index: int, count: int, port: int, aggregator: str, steps: int,
     import keras
     import numpy as np
 
-    from pergrad import aggregate
-    from pergrad.bench.models import batch, cnn
-    from pergrad.keras import PerExampleModel
+    from pergrad.bench.models import batch
 
     distribution = keras.distribution.DataParallel(devices=jax.devices())
     distribution.auto_shard_dataset = False
     keras.distribution.set_distribution(distribution)
-    make = {"mean": aggregate.mean, "median": aggregate.median,
-            "dp_mean": lambda: aggregate.dp_mean(1.0, 1.0, seed=0)}[aggregator]
-    keras.utils.set_random_seed(0)
-    model = PerExampleModel(cnn(), make())
-    model.compile(optimizer=keras.optimizers.SGD(0.01),
-                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    model = _compiled_model(aggregator)
     x, y = batch("cnn", GLOBAL_BATCH * steps)
     local = GLOBAL_BATCH // count
     rows = np.arange(len(x)).reshape(steps, count, local)[:, index].reshape(-1)
     times: list[float] = []
-
-    class Timer(keras.callbacks.Callback):
-        def on_train_batch_begin(self, step, logs=None):
-            self.start = time.perf_counter()
-
-        def on_train_batch_end(self, step, logs=None):
-            times.append(time.perf_counter() - self.start)
-
     model.fit(x[rows], y[rows], batch_size=local, epochs=2, shuffle=False, verbose=0,
-              callbacks=[Timer()])
-    if index == 0:
-        with open(out, "w") as handle:
-            json.dump({"median_s": float(np.median(times[steps:]))}, handle)
-    sys.stdout.flush()
-    os._exit(0)
+              callbacks=[_step_timer(times)])
+    _report_and_exit(index, times, steps, out)
 
 
 def measure(workers: int, aggregator: str, steps: int, backend: str = "tensorflow") -> float:

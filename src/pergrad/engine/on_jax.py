@@ -27,10 +27,10 @@ import jax.numpy as jnp
 import keras
 from keras import ops
 
-from pergrad._compat import autocast_scope, call_takes_training, owns_seed_generator, sublayers
+from pergrad._compat import autocast_scope, call_takes_training
 from pergrad.engine.intercept import record_calls
 from pergrad.engine.losses import weighted_losses
-from pergrad.engine.plan import Plan
+from pergrad.engine.plan import Plan, draws_random
 from pergrad.engine.result import PerExampleResult
 from pergrad.rules import LayerCall, combine
 from pergrad.rules.forms import Materialized
@@ -210,7 +210,7 @@ def generic_forms(layer, call: LayerCall, grads: list, training: bool) -> list[M
     one example alone, so it is replayed on the whole batch with the seed state it ran with
     (the same numbers) and differentiated per example: ``jax.jacrev`` of
     ``s_i(W) = <f(x; W)_i, D_i>``, exact for the mask the forward pass drew."""
-    if training and any(_draws_random(s) for s in sublayers(layer, include_self=True)):
+    if training and draws_random(layer):
         return _replayed_forms(layer, call, grads)
     variables = layer.trainable_variables
     values = current_values(variables)
@@ -237,17 +237,6 @@ def generic_forms(layer, call: LayerCall, grads: list, training: bool) -> list[M
     per_example = jax.vmap(one_example)([leaves[i] for i in batched], list(grads))
     return [Materialized(v, g.astype(v.dtype)) for v, g in zip(variables, per_example,
                                                                strict=True)]
-
-
-def _draws_random(layer) -> bool:
-    """Whether ``layer`` itself draws random numbers in training mode: it owns a seed generator
-    and is not a dropout layer or recurrent cell whose rates are all 0 (Keras's cells own one
-    even without dropout)."""
-    if not owns_seed_generator(layer):
-        return False
-    rates = [getattr(layer, name) for name in ("rate", "dropout", "recurrent_dropout")
-             if isinstance(getattr(layer, name, None), (int, float))]
-    return not rates or any(rate > 0 for rate in rates)
 
 
 def _replayed_forms(layer, call: LayerCall, grads: list) -> list[Materialized]:

@@ -30,10 +30,10 @@ from typing import Any
 import keras
 import torch
 
-from pergrad._compat import autocast_scope, call_takes_training, owns_seed_generator, sublayers
+from pergrad._compat import autocast_scope, call_takes_training
 from pergrad.engine.intercept import record_calls
 from pergrad.engine.losses import weighted_losses
-from pergrad.engine.plan import Plan
+from pergrad.engine.plan import Plan, draws_random
 from pergrad.engine.result import PerExampleResult
 from pergrad.rules import LayerCall, combine
 from pergrad.rules.forms import Materialized
@@ -145,7 +145,7 @@ def generic_forms(layer, call: LayerCall, grads: list, training: bool,
     """``g_i = d/dW <f(x_i; W), D_i>`` for every trainable variable of ``layer``:
     ``torch.func.vmap`` over examples of one layer's VJP through ``stateless_call``, a
     per-example loop (warned once per layer) where vmap cannot run the layer."""
-    if training and any(_draws_random(s) for s in sublayers(layer, include_self=True)):
+    if training and draws_random(layer):
         return _replayed_forms(layer, call, grads)
     variables = layer.trainable_variables
     values = _values(variables)
@@ -186,17 +186,6 @@ def generic_forms(layer, call: LayerCall, grads: list, training: bool,
         per_example = [torch.stack(list(column)) for column in zip(*rows, strict=True)]
     return [Materialized(v, g.to(_torch_dtype(v))) for v, g in zip(variables, per_example,
                                                                    strict=True)]
-
-
-def _draws_random(layer) -> bool:
-    """Whether ``layer`` itself draws random numbers in training mode: it owns a seed generator
-    and is not a dropout layer or recurrent cell whose rates are all 0 (Keras's cells own one
-    even without dropout)."""
-    if not owns_seed_generator(layer):
-        return False
-    rates = [getattr(layer, name) for name in ("rate", "dropout", "recurrent_dropout")
-             if isinstance(getattr(layer, name, None), (int, float))]
-    return not rates or any(rate > 0 for rate in rates)
 
 
 def _replayed_forms(layer, call: LayerCall, grads: list) -> list[Materialized]:

@@ -24,7 +24,7 @@ from typing import Any
 
 import keras
 
-from pergrad._compat import own_trainable_variables, sublayers
+from pergrad._compat import own_trainable_variables, owns_seed_generator, sublayers
 from pergrad.rules import Rule, find_rule
 
 _OPAQUE = (keras.layers.RNN, keras.layers.Bidirectional, keras.layers.TimeDistributed)
@@ -93,3 +93,17 @@ def make_plan(model) -> Plan:
     # A variable reached only through a non-layer attribute of the model is residual too.
     plan.residual += [v for v in model.trainable_variables if id(v) not in covered]
     return plan
+
+
+def draws_random(layer: Any) -> bool:
+    """Whether ``layer`` or one of its sublayers draws random numbers in training mode: it owns
+    a seed generator and is not a dropout layer or recurrent cell whose rates are all 0
+    (Keras's cells own one even without dropout). The functional engines (JAX, PyTorch) replay
+    such a layer with the seed state it ran with instead of calling it per example."""
+    def own(sublayer) -> bool:
+        if not owns_seed_generator(sublayer):
+            return False
+        rates = [getattr(sublayer, name) for name in ("rate", "dropout", "recurrent_dropout")
+                 if isinstance(getattr(sublayer, name, None), (int, float))]
+        return not rates or any(rate > 0 for rate in rates)
+    return any(own(s) for s in sublayers(layer, include_self=True))
