@@ -60,7 +60,8 @@ def test_auto_matches_loop_oracle(name, float64):
 
 
 @BOTH
-@pytest.mark.parametrize("name", ["mlp", "conv2d_same_stride2", "generic_layers", "embedding"])
+@pytest.mark.parametrize("name", ["mlp", "conv2d_same_stride2", "generic_layers", "embedding",
+                                  "separable_shared_depthwise"])
 def test_clipped_sum_drops_non_finite_examples(name, float64):
     """A NaN input row (example 1) and an infinite sample weight (example 3) are dropped as the
     aggregators drop them; the sum over the other examples matches the oracle, and the norms

@@ -5,6 +5,8 @@ from __future__ import annotations
 import keras
 import numpy as np
 import pytest
+import zoo
+from oracle import assert_close, keras_loss, loop_gradients
 from rule_check import assert_rule_matches_oracle
 
 from pergrad.rules.depthwise import depthwise_rule, separable_rule
@@ -87,3 +89,33 @@ def test_channels_first(family, dims, strides, padding, dilation, float64):
 @pytest.mark.parametrize(("family", "dims"), CASES)
 def test_without_bias(family, dims, float64):
     assert_rule_matches_oracle(*_case(family, dims, 1, "same", 1, use_bias=False))
+
+
+@pytest.mark.parametrize(("family", "dims"), CASES)
+def test_dynamic_batch_and_image_size_on_tensorflow(family, dims, float64):
+    """Traced with unknown batch and spatial sizes (as ``fit``'s ``tf.data`` batches are), the
+    native per-example depthwise route folds the batch into the channels by tensor shapes."""
+    if keras.backend.backend() != "tensorflow":
+        pytest.skip("the native per-example depthwise route is TensorFlow's")
+    import tensorflow as tf
+
+    import pergrad
+    _, layer, _, x, y = _case(family, dims, 2, "same", 1)
+    spatial = [None] * dims
+    inputs = keras.Input((*spatial, CHANNELS))
+    pool = L.GlobalAveragePooling1D() if dims == 1 else L.GlobalAveragePooling2D()
+    twin = keras.Model(inputs, L.Dense(3)(pool(layer(inputs))))  # the same built layer
+    pex = pergrad.PerExample(twin, zoo.SCCE)
+
+    @tf.function(input_signature=[tf.TensorSpec([None, *spatial, CHANNELS], tf.float64),
+                                  tf.TensorSpec([None], tf.int64)])
+    def norms_and_sums(x, y):
+        result = pex.compute(x, y)
+        return result.norms(), result.weighted_sum(tf.ones_like(result.losses))
+
+    expected, _ = loop_gradients(twin, keras_loss(zoo.SCCE), x, y)
+    flat = np.concatenate([e.reshape(len(x), -1) for e in expected], axis=1)
+    norms, sums = norms_and_sums(x, y)
+    assert_close(norms, np.linalg.norm(flat, axis=1), what="norms")
+    for s, e in zip(sums, expected, strict=True):
+        assert_close(s, e.sum(0), what="sum")

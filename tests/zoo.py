@@ -216,6 +216,20 @@ def custom_and_depthwise():
                      expect_generic=["Affine", "TimeDistributed"])
 
 
+def separable_and_shared_depthwise():
+    """A SeparableConv1D, then one DepthwiseConv1D called twice (its per-example kernel
+    gradients from both calls add up)."""
+    if keras.backend.backend() == "torch":
+        import pytest  # the documented gap of test_rules_depthwise.py
+        pytest.skip("float64 SeparableConv on Keras's torch backend raises a dtype error")
+    inputs = keras.Input((11, 3))
+    h = L.SeparableConv1D(4, 3, strides=2, padding="same", depth_multiplier=2)(inputs)
+    depthwise = L.DepthwiseConv1D(2, activation="tanh")
+    h = depthwise(depthwise(h))
+    outputs = L.Dense(3)(L.Flatten()(h))
+    return _classify(inputs, outputs, _rng().normal(size=(B, 11, 3)))
+
+
 def _l1(x):
     """``0.01 * sum |x|``, as ``activity_regularizer="l1"``: Keras < 3.14's ``L1`` keeps its
     factor as a float32 tensor, which fails in float64 (the oldest Keras CI runs is 3.5), and
@@ -255,5 +269,6 @@ ALL = {
     "multi_input_output": multi_input_output,
     "subclassed_raw_variable": subclassed,
     "generic_layers": custom_and_depthwise,
+    "separable_shared_depthwise": separable_and_shared_depthwise,
     "sample_weight_regularizers": weighted_regularized,
 }

@@ -338,10 +338,7 @@ def finite_clipped_sum(result: PerExampleResult, l2_norm_clip) -> tuple[list, An
     norms = result.norms()
     keep = ops.logical_and(ops.isfinite(norms), ops.isfinite(result.losses))
     factors = ops.where(keep, clip_factors(norms, l2_norm_clip), ops.zeros_like(norms))
-    sums = ops.cond(ops.all(keep),
-                    lambda: [ops.copy(s) for s in result.weighted_sum(factors)],
-                    lambda: result.masked(keep).weighted_sum(factors))
-    return list(sums), norms
+    return result.kept_weighted_sum(factors, keep), norms
 
 
 def clip_factors(norms, l2_norm_clip):

@@ -99,6 +99,17 @@ class PerExampleResult:
             for v, f, c in zip(self.variables, self.forms, coefficients, strict=True)
         ]
 
+    def kept_weighted_sum(self, coefficients: Any, keep: Any) -> list:
+        """``sum_{i: keep_i} c_i g_i`` per variable, the rows of dropped examples zeroed before
+        summing (:meth:`masked`), so a NaN row cannot leak through ``0 * NaN``.
+
+        The plain sum is built outside the conditional and the conditional only chooses it or
+        the masked sum: with the whole sum inside a TensorFlow ``cond`` branch, the MobileNet's
+        clipped sum cost 1.7x its batch gradient instead of 1.2x."""
+        plain = self.weighted_sum(coefficients)
+        return list(ops.cond(ops.all(keep), lambda: [ops.copy(s) for s in plain],
+                             lambda: self.masked(keep).weighted_sum(coefficients)))
+
     def masked(self, keep: Any) -> PerExampleResult:
         """This result with examples where ``keep`` (``(B,)`` bool) is false removed: their
         gradients and losses become exactly zero, even where they were NaN or inf."""

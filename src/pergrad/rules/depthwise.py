@@ -23,7 +23,7 @@ import keras
 from keras import ops
 
 from pergrad.backend import is_tensorflow
-from pergrad.backend.ops import batch_size, rank, vjp
+from pergrad.backend.ops import batch_size, rank, vjp, zero_rows
 from pergrad.rules import LayerCall, plain_weights, register
 from pergrad.rules.conv import (
     channels_last_input_and_grad,
@@ -42,19 +42,63 @@ def _patches(layer, x):
     return ops.transpose(ops.reshape(patches, [batch_size(x), t, k, c]), [0, 1, 3, 2])
 
 
-def _depthwise_form(layer, kernel, x, a, d) -> Factored:
-    """The ``Factored`` form of depthwise ``kernel`` ``(*k, C, M)`` from patches ``a``
-    ``(B, T, C, K)`` and the channels-last gradient ``d`` at the depthwise output ``(B, *out, C*M)``."""
+def _depthwise_form(layer, kernel, x, d) -> Factored:
+    """The ``Factored`` form of depthwise ``kernel`` ``(*k, C, M)`` from the channels-last input
+    ``x`` and gradient ``d`` at the depthwise output ``(B, *out, C*M)``.
+
+    On TensorFlow the norms, dots and sums use native kernels (:func:`_per_example_filter_gradients`
+    and the batch filter gradient) that never read the patches, so a compiled graph never
+    builds them; elsewhere the grouped einsum over the patches is the fastest route."""
+    a = _patches(layer, x)  # (B, T, C, K)
     c, m = kernel.shape[-2], kernel.shape[-1]
     dd = ops.reshape(d, [batch_size(d), a.shape[1] if a.shape[1] is not None else -1, c, m])
+    if not is_tensorflow():  # XLA's depthwise filter gradients lose to the einsum on CPU
+        return Factored(kernel, a, dd, (*layer.kernel_size, c, m))
 
     def summed(coefficients):
         weights = ops.cast(coefficients, d.dtype)[(slice(None),) + (None,) * (rank(d) - 1)]
         return _filter_gradient(layer, kernel, x, d * weights)
 
-    # XLA's depthwise filter gradient is 15x slower than the grouped einsum on CPU: JAX uses the einsum.
-    return Factored(kernel, a, dd, (*layer.kernel_size, c, m),
-                    summed=summed if is_tensorflow() else None)
+    def per_example():
+        return _per_example_filter_gradients(layer, kernel, x, d)
+
+    def remake(keep):
+        return _depthwise_form(layer, kernel, zero_rows(x, keep), zero_rows(d, keep))
+
+    return Factored(kernel, a, dd, (*layer.kernel_size, c, m), summed=summed,
+                    per_example=per_example if set(layer.dilation_rate) == {1} else None,
+                    remake=remake)
+
+
+def _per_example_filter_gradients(layer, kernel, x, d):
+    """``(B, C, M, K)``: every example's kernel gradient from one native depthwise filter
+    gradient (TensorFlow), with the batch folded into the channels.
+
+    Depthwise channels never mix, so example ``i``'s channel ``c`` becomes channel ``i C + c`` of
+    one image of ``B C`` channels (and its outputs ``(i C + c) M + m``); the filter gradient of
+    that image, ``(*k, B C, M)``, holds ``dL_i/dW[K, c, m]`` at ``[K, i C + c, m]``. On
+    TensorFlow's CPU kernel this is 2x one batch filter gradient and 35x faster than the patch
+    einsum (MobileNet-sized layer: B 128, 16x16, 96 channels: 2.5 ms against 86 ms). The batch
+    may be dynamic (the filter size is a tensor); the kernel has no dilation on CPU.
+    """
+    import tensorflow as tf
+
+    padded, _ = pad_input(x, layer.kernel_size, layer.strides, layer.dilation_rate, layer.padding)
+    kernel_size, strides = tuple(layer.kernel_size), tuple(layer.strides)
+    if len(kernel_size) == 1:  # as one row of a 2D image; the kernel wants equal strides
+        padded, d = padded[:, None], d[:, None]
+        kernel_size, strides = (1, *kernel_size), (strides[0], *strides)
+    batch, c, m = tf.shape(x)[0], kernel.shape[-2], kernel.shape[-1]
+
+    def fold(t):  # (B, H, W, F) -> (1, H, W, B F)
+        shape = tf.shape(t)
+        return tf.reshape(tf.transpose(t, [1, 2, 0, 3]), [1, shape[1], shape[2], -1])
+
+    g = tf.compat.v1.nn.depthwise_conv2d_native_backprop_filter(
+        fold(padded), tf.stack([*kernel_size, batch * c, m]), fold(d), [1, *strides, 1],
+        "VALID")
+    g = tf.reshape(g, [-1, batch, c, m])  # (K, B, C, M)
+    return tf.transpose(g, [1, 2, 3, 0])
 
 
 def _filter_gradient(layer, kernel, x, d):
@@ -76,24 +120,26 @@ def _bias(layer, d) -> list:
 def depthwise_rule(layer, call: LayerCall, grad) -> list:
     dtype = layer.kernel.dtype
     x, d = channels_last_input_and_grad(layer, call, grad, dtype)
-    return [_depthwise_form(layer, layer.kernel, x, _patches(layer, x), d), *_bias(layer, d)]
+    return [_depthwise_form(layer, layer.kernel, x, d), *_bias(layer, d)]
 
 
 def separable_rule(layer, call: LayerCall, grad) -> list:
     depthwise, pointwise = layer.depthwise_kernel, layer.pointwise_kernel
     dtype = depthwise.dtype
     x, d = channels_last_input_and_grad(layer, call, grad, dtype)  # (B, *out, F)
-    a = _patches(layer, x)  # (B, T, C, K)
-    batch, t = batch_size(x), a.shape[1] if a.shape[1] is not None else -1
+    batch = batch_size(x)
     c, m = depthwise.shape[-2], depthwise.shape[-1]
-    w_d = ops.reshape(ops.cast(depthwise, dtype), [-1, c, m])  # (K, C, M)
     w_p = ops.reshape(ops.cast(pointwise, dtype), [c * m, layer.filters])  # (C*M, F)
-    z = ops.reshape(ops.einsum("btck,kcm->btcm", a, w_d), [batch, t, 1, c * m])
-    flat_d = ops.reshape(d, [batch, t, layer.filters])
+    padded, _ = pad_input(x, layer.kernel_size, layer.strides, layer.dilation_rate, layer.padding)
+    z = ops.depthwise_conv(padded, ops.cast(depthwise, dtype), strides=layer.strides,
+                           padding="valid", dilation_rate=layer.dilation_rate,
+                           data_format="channels_last")  # (B, *out, C*M): the depthwise output
+    z = ops.reshape(z, [batch, -1, 1, c * m])
+    flat_d = ops.reshape(d, [batch, -1, layer.filters])
     d_mid = ops.reshape(ops.matmul(flat_d, ops.transpose(w_p)), [*ops.shape(d)[:-1], c * m])
     ones = (1,) * len(layer.kernel_size)
     return [
-        _depthwise_form(layer, depthwise, x, a, d_mid),
+        _depthwise_form(layer, depthwise, x, d_mid),
         Factored(pointwise, z, flat_d[:, :, None, :], (*ones, c * m, 1, layer.filters)),
         *_bias(layer, d),
     ]

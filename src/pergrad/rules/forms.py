@@ -44,7 +44,7 @@ from pergrad.backend.ops import (
     trace_token,
     zero_rows,
 )
-from pergrad.rules.cost import ROWS_PAIRWISE_MAX_POSITIONS, prefers_ghost
+from pergrad.rules.cost import ROWS_PAIRWISE_MAX_POSITIONS, prefers_ghost, sums_from_matrices
 
 Tensor = Any
 
@@ -58,6 +58,14 @@ class Factored:
     natural layout into the variable's layout (``None`` for the identity), after which a reshape
     to ``variable.shape`` is all that is left. ``summed``, when given, computes
     ``weighted_sum(c)`` with a faster native kernel (a convolution's filter gradient).
+    ``per_example``, when given, computes the per-example matrices ``(B, G, O, I)``
+    (``sum_t D_i[t]^T A_i[t]`` per group) with a faster native kernel (a depthwise
+    convolution's filter gradient with the batch folded into the channels); norms, dots and
+    Gram matrices then always take the materialized route. ``remake``, when given, rebuilds the
+    form from the layer's inputs with the rows of examples where ``keep`` is false zeroed
+    (``remake(keep)``); :meth:`masked` then uses it, so a masked form computed inside a
+    conditional reads only the layer's input and output gradient, not tensors (patches) that
+    the plain routes never build.
     """
 
     variable: object
@@ -66,7 +74,10 @@ class Factored:
     natural_shape: tuple[int, ...]
     perm: tuple[int, ...] | None = None
     summed: Callable[[Tensor], Tensor] | None = None
+    per_example: Callable[[], Tensor] | None = None
+    remake: Callable[[Tensor], Factored] | None = None
     _matrices: tuple | None = field(default=None, init=False, repr=False, compare=False)
+    _matrices_traced: bool = field(default=False, init=False, repr=False, compare=False)
 
     @property
     def var_shape(self) -> tuple[int, ...]:
@@ -105,9 +116,12 @@ class Factored:
         TensorFlow): norms, dots and Gram matrices share it; only ``materialize`` transposes
         it to the variable's layout."""
         token = trace_token()
+        self._matrices_traced = True
         if token is None or self._matrices is None or self._matrices[0] is not token:
             a, d = self.a, self.d
-            if a.shape[1] == 1:  # one position: a plain outer product
+            if self.per_example is not None:
+                m = self.per_example()
+            elif a.shape[1] == 1:  # one position: a plain outer product
                 m = d[:, 0, :, :, None] * a[:, 0, :, None, :]
             elif a.shape[2] == 1:
                 m = matmul_ta(d[:, :, 0, :], a[:, :, 0, :])[:, None]
@@ -119,8 +133,31 @@ class Factored:
             self._matrices = (token, m)
         return self._matrices[1]
 
+    def _built_matrices(self) -> Tensor | None:
+        """The per-example matrices when the norms of this trace built them (visible from the
+        graph being built now) and :func:`pergrad.rules.cost.sums_from_matrices` allows keeping
+        them for the sum, else ``None``. Under ``jax.jit`` they are rebuilt by the same ops and
+        XLA merges the two."""
+        if self.a.shape[1] == 1 and self.per_example is None or not self._materializing():
+            return None
+        sizes = [static_or_none(n) for n in (self.a.shape[0], self.a.shape[2], self.a.shape[3],
+                                             self.d.shape[3])]
+        if None in sizes or not sums_from_matrices(math.prod(sizes)):
+            return None
+        token = trace_token()
+        if token is None:  # JAX: XLA merges the repeated product with the norms' one
+            return self._per_example_matrices() if self._matrices_traced else None
+        if self._matrices is None:
+            return None
+        built, graph = self._matrices[0], token
+        while graph is not None:
+            if graph is built:
+                return self._matrices[1]
+            graph = getattr(graph, "outer_graph", None)
+        return None
+
     def materialize(self) -> Tensor:
-        if self.a.shape[1] == 1:
+        if self.a.shape[1] == 1 and self.per_example is None:
             # One position: write the outer products once, straight into the (B, I, G, O)
             # layout (they are memory-bound: B I O floats for a Dense kernel).
             a = ops.transpose(self.a[:, 0], [0, 2, 1])  # (B, I, G); G is 1 for Dense
@@ -132,13 +169,15 @@ class Factored:
     def _materializing(self) -> bool:
         """Whether norms and dots go through the per-example matrices (``T I O`` per example)
         rather than the ghost Gram form (``T^2 (I + O)``): :func:`pergrad.rules.cost.prefers_ghost`."""
+        if self.per_example is not None:
+            return True
         t, i, o = (static_or_none(self.a.shape[1]), static_or_none(self.a.shape[3]),
                    static_or_none(self.d.shape[3]))
         return not prefers_ghost(t, i, o)
 
     def squared_norms(self) -> Tensor:
         t = static_or_none(self.a.shape[1])
-        if t == 1:
+        if t == 1 and self.per_example is None:
             # ||a d^T||^2 = ||a||^2 ||d||^2 per group.
             return ops.sum(
                 ops.sum(ops.square(self.a), [1, 3]) * ops.sum(ops.square(self.d), [1, 3]),
@@ -164,6 +203,11 @@ class Factored:
         return ops.sum(av * self.d, axis=[1, 2, 3])
 
     def weighted_sum(self, coefficients: Tensor) -> Tensor:
+        m = self._built_matrices()
+        if m is not None:  # sum_i c_i M_i: B I O reads instead of B T I O multiply-adds
+            c = ops.cast(coefficients, dtype_of(m))
+            s = ops.tensordot(c, m, axes=1)  # (G, O, I)
+            return self._to_variable_layout(ops.transpose(s, [2, 0, 1]), batched=False)
         if self.summed is not None:
             return ops.reshape(self.summed(coefficients), self.var_shape)
         c = ops.cast(coefficients, dtype_of(self.a))[:, None, None, None]
@@ -180,7 +224,8 @@ class Factored:
         or the materialized ``M M^T``, whichever :mod:`pergrad.rules.cost` finds cheaper."""
         t, i, o = (static_or_none(self.a.shape[1]), static_or_none(self.a.shape[3]),
                    static_or_none(self.d.shape[3]))
-        if prefers_ghost(t, i, o, batch=static_or_none(self.a.shape[0]), pairs=True):
+        if self.per_example is None and prefers_ghost(t, i, o, batch=static_or_none(
+                self.a.shape[0]), pairs=True):
             gram_a = ops.einsum("btgi,csgi->bcgts", self.a, self.a)
             gram_d = ops.einsum("btgo,csgo->bcgts", self.d, self.d)
             return ops.sum(gram_a * gram_d, axis=[2, 3, 4])
@@ -190,10 +235,18 @@ class Factored:
     def masked(self, keep: Tensor) -> Factored:
         """The form with the rows of examples where ``keep`` is false set to zero (NaN rows
         included). The native ``summed`` kernel reads the unmasked inputs, so it is used only
-        while every row is kept."""
+        while every row is kept; the native ``per_example`` matrices are independent per
+        example, so their dropped rows are zeroed after the kernel."""
+        if self.remake is not None:
+            return self.remake(keep)
+        per_example = None
+        if self.per_example is not None:
+            def per_example(native=self.per_example):
+                return zero_rows(native(), keep)
         plain = Factored(self.variable, zero_rows(self.a, keep), zero_rows(self.d, keep),
                          self.natural_shape, self.perm)
         if self.summed is None:
+            plain.per_example = per_example
             return plain
         native = self.summed
 
@@ -202,17 +255,21 @@ class Factored:
                             lambda: ops.reshape(native(coefficients), self.var_shape),
                             lambda: plain.weighted_sum(coefficients))
 
-        return Factored(self.variable, plain.a, plain.d, self.natural_shape, self.perm, summed)
+        return Factored(self.variable, plain.a, plain.d, self.natural_shape, self.perm, summed,
+                        per_example)
 
     def merged_with(self, other: Factored) -> Factored:
         """Two calls of one layer: the sums over positions concatenate along ``T``."""
-        summed = None
+        summed = per_example = None
         if self.summed is not None and other.summed is not None:
             def summed(c, first=self.summed, second=other.summed):
                 return first(c) + second(c)
+        if self.per_example is not None and other.per_example is not None:
+            def per_example(first=self.per_example, second=other.per_example):
+                return first() + second()
         return Factored(self.variable, ops.concatenate([self.a, other.a], 1),
                         ops.concatenate([self.d, other.d], 1), self.natural_shape, self.perm,
-                        summed)
+                        summed, per_example)
 
 
 @dataclass
