@@ -202,14 +202,7 @@ def linear_local(coefficients: Callable[[list, Batch], Any], needs_norms: bool):
         else:
             c = ops.where(keep, c * ops.ones_like(zero), zero)
 
-        def as_is():
-            return [ops.copy(s) for s in result.weighted_sum(c)]
-
-        def with_rows_zeroed():
-            return result.masked(keep).weighted_sum(c)
-
-        values = ops.cond(ops.all(keep), as_is, with_rows_zeroed)
-        return Partial(list(values), rows, None, dropped)
+        return Partial(result.kept_weighted_sum(c, keep), rows, None, dropped)
 
     return local
 

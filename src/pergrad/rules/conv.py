@@ -19,8 +19,9 @@ import keras
 from keras import ops
 
 from pergrad.backend import is_tensorflow
-from pergrad.backend.ops import batch_size, rank, vjp
+from pergrad.backend.ops import batch_size, matmul_ta, rank, static_or_none, vjp, zero_rows
 from pergrad.rules import LayerCall, plain_weights, register
+from pergrad.rules.cost import prefers_ghost, shifted_products_win
 from pergrad.rules.forms import Factored, Materialized, positions
 
 
@@ -112,8 +113,17 @@ def channels_last_input_and_grad(layer, call: LayerCall, grad, dtype) -> tuple:
 
 
 def conv_rule(layer, call: LayerCall, grad) -> list:
-    dtype = layer.kernel.dtype
-    x, d = channels_last_input_and_grad(layer, call, grad, dtype)
+    x, d = channels_last_input_and_grad(layer, call, grad, layer.kernel.dtype)
+    forms = [_kernel_form(layer, x, d)]
+    if layer.use_bias:
+        forms.append(Materialized(layer.bias, ops.sum(
+            ops.reshape(d, [batch_size(d), -1, layer.filters]), 1)))
+    return forms
+
+
+def _kernel_form(layer, x, d) -> Factored:
+    """The kernel's ``Factored`` form from the channels-last input ``x`` and output gradient
+    ``d``, with the fastest native routes the layer's geometry allows."""
     groups = layer.groups
     c_in, c_out = x.shape[-1], layer.filters
     patches = extract_patches(x, layer.kernel_size, layer.strides, layer.dilation_rate,
@@ -129,15 +139,44 @@ def conv_rule(layer, call: LayerCall, grad) -> list:
                         [batch, t, groups, k * (c_in // groups)])
     dd = ops.reshape(d, [batch, t, groups, c_out // groups])
     natural = (*layer.kernel_size, c_in // groups, groups, c_out // groups)
-    summed = None
+    summed = per_example = None
     if groups == 1 and is_tensorflow():  # XLA's filter gradient loses to the GEMM on CPU
         def summed(coefficients):
-            return _filter_gradient(layer, x, d * ops.cast(coefficients, dtype)[
+            return _filter_gradient(layer, x, d * ops.cast(coefficients, d.dtype)[
                 (slice(None),) + (None,) * (rank(d) - 1)])
-    forms = [Factored(layer.kernel, a, dd, natural, summed=summed)]
-    if layer.use_bias:
-        forms.append(Materialized(layer.bias, ops.sum(ops.reshape(d, [batch, -1, c_out]), 1)))
-    return forms
+    if groups == 1 and shifted_products_win(layer.kernel_size, layer.strides, c_in) and \
+            not prefers_ghost(static_or_none(t), k * c_in, c_out):
+        def per_example():
+            return _shifted_products(layer, x, d)
+
+    def remake(keep):  # patches of the masked input only where a masked route needs them
+        return _kernel_form(layer, zero_rows(x, keep), zero_rows(d, keep))
+
+    return Factored(layer.kernel, a, dd, natural, summed=summed, per_example=per_example,
+                    remake=remake)
+
+
+def _shifted_products(layer, x, d):
+    """``(B, 1, O, K C)``: each example's kernel gradient as one batched ``a^T b`` per kernel
+    offset, between the output gradient and the input shifted by that offset (stride 1):
+
+        M_i[o, (K, c)] = sum_t D_i[t, o] X_i[t + K dilation, c]
+
+    Slices of the padded input are read in place of patches, which are ``K`` times the input's
+    size (the ResNet's 32x32x32 layer, batch 128: 21 ms against 50 ms on TensorFlow, 92 ms
+    against 190 ms on JAX). The patches' order of ``(K, c)`` is kept."""
+    padded, sizes = pad_input(x, layer.kernel_size, layer.strides, layer.dilation_rate,
+                              layer.padding)
+    batch, c_in, c_out = batch_size(x), x.shape[-1], d.shape[-1]
+    dd = ops.reshape(d, [batch, -1, c_out])
+    products = []
+    for offset in itertools.product(*[range(k) for k in layer.kernel_size]):
+        index = tuple(slice(o * r, o * r + n) for o, r, n
+                      in zip(offset, layer.dilation_rate, sizes, strict=True))
+        shifted = ops.reshape(padded[(slice(None), *index, slice(None))], [batch, -1, c_in])
+        products.append(matmul_ta(dd, shifted))  # (B, O, C)
+    m = products[0][:, :, None] if len(products) == 1 else ops.stack(products, axis=2)
+    return ops.reshape(m, [batch, 1, c_out, len(products) * c_in])
 
 
 def _filter_gradient(layer, x, d):

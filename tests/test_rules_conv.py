@@ -1,0 +1,99 @@
+"""The convolution rule's shifted-slice route (per-example kernel gradients as one batched
+product per kernel offset, stride 1, at least ``SHIFTED_MIN_CHANNELS`` input channels or a 1x1
+kernel) against the float64 loop oracle, in every geometry it takes."""
+
+from __future__ import annotations
+
+import keras
+import numpy as np
+import pytest
+import zoo
+from oracle import assert_close, keras_loss, loop_gradients
+from rule_check import assert_rule_matches_oracle
+
+import pergrad
+from pergrad.rules.conv import conv_rule
+from pergrad.rules.cost import SHIFTED_MIN_CHANNELS, shifted_products_win
+from pergrad.rules.forms import Factored
+
+pytestmark = pytest.mark.all_backends
+
+L = keras.layers
+B = 4
+WIDE = SHIFTED_MIN_CHANNELS
+
+# (layer class, input spatial size, keyword arguments, input channels)
+CASES = {
+    "1d_valid": (L.Conv1D, (7,), dict(kernel_size=3), WIDE),
+    "1d_causal_dilated": (L.Conv1D, (8,), dict(kernel_size=3, padding="causal",
+                                                dilation_rate=2), WIDE),
+    "2d_same": (L.Conv2D, (5, 6), dict(kernel_size=(3, 2), padding="same"), WIDE),
+    "2d_dilated_valid": (L.Conv2D, (6, 7), dict(kernel_size=2, dilation_rate=(2, 1)), WIDE),
+    # Keras runs channels_first 3D convolutions on TensorFlow's CPU (through XLA), not 2D ones.
+    "3d_channels_first": (L.Conv3D, (3, 4, 5), dict(kernel_size=(2, 3, 2), padding="same",
+                                                    data_format="channels_first"), WIDE),
+    "2d_1x1_narrow": (L.Conv2D, (4, 5), dict(kernel_size=1), 3),
+    "3d_same": (L.Conv3D, (3, 4, 5), dict(kernel_size=2, padding="same"), WIDE),
+}
+
+
+def _case(name: str):
+    cls, size, kwargs, channels = CASES[name]
+    channels_first = kwargs.get("data_format") == "channels_first"
+    shape = (channels, *size) if channels_first else (*size, channels)
+    inputs = keras.Input(shape)
+    layer = cls(3, activation="tanh", **kwargs)
+    outputs = L.Dense(3)(L.Flatten()(layer(inputs)))
+    model = keras.Model(inputs, outputs)
+    rng = np.random.default_rng(len(name))
+    layer.bias.assign(rng.normal(size=layer.bias.shape) * 0.1)
+    return model, layer, conv_rule, rng.normal(size=(B, *shape)), rng.integers(0, 3, size=B)
+
+
+def _kernel_form(model, layer, x, y) -> Factored:
+    pex = pergrad.PerExample(model, zoo.SCCE)
+    result = pex.compute(keras.ops.convert_to_tensor(x), keras.ops.convert_to_tensor(y))
+    index = [v.path for v in model.trainable_variables].index(layer.kernel.path)
+    return result.forms[index]
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_shifted_route_matches_loop_oracle(name, float64):
+    model, layer, rule, x, y = _case(name)
+    assert shifted_products_win(layer.kernel_size, layer.strides, CASES[name][3])
+    assert _kernel_form(model, layer, x, y).per_example is not None  # the route is taken
+    assert_rule_matches_oracle(model, layer, rule, x, y)
+
+
+def test_strided_and_narrow_convolutions_keep_the_patch_route(float64):
+    model, layer, _, x, y = _case("2d_same")
+    strided = keras.Model(model.inputs, L.Dense(3)(L.Flatten()(
+        L.Conv2D(3, 3, strides=2)(model.inputs[0]))))
+    narrow = zoo.conv2d()  # 3 input channels, 3x3 kernel
+    assert _kernel_form(strided, strided.layers[1], x, y).per_example is None
+    assert _kernel_form(narrow.model, narrow.model.layers[1], narrow.x,
+                        narrow.y).per_example is None
+
+
+def test_shared_layer_and_dropped_rows(float64):
+    """One wide Conv1D called twice (its products from both calls add up); a NaN input row is
+    dropped from the clipped sum and the other rows match the oracle."""
+    inputs = keras.Input((9, WIDE))
+    conv = L.Conv1D(WIDE, 3, padding="same", activation="tanh")
+    outputs = L.Dense(3)(L.Flatten()(conv(conv(inputs))))
+    model = keras.Model(inputs, outputs)
+    rng = np.random.default_rng(3)
+    x, y = rng.normal(size=(B, 9, WIDE)), rng.integers(0, 3, size=B)
+    assert_rule_matches_oracle(model, conv, conv_rule, x, y)
+
+    expected, _ = loop_gradients(model, keras_loss(zoo.SCCE), x, y)
+    x_bad = x.copy()
+    x_bad[2] = np.nan
+    flat = np.concatenate([e.reshape(B, -1) for e in expected], axis=1)
+    clean = np.linalg.norm(flat, axis=1)
+    clip = float(np.median(clean))
+    summed, norms = pergrad.PerExample(model, zoo.SCCE).clipped_sum(x_bad, y, clip)
+    assert not np.isfinite(np.asarray(norms)[2])
+    factors = np.where(np.arange(B) == 2, 0.0, np.minimum(1.0, clip / clean))
+    for s, e in zip(summed, expected, strict=True):
+        assert_close(s, np.tensordot(factors, e, axes=1), what="clipped sum without row 2")
