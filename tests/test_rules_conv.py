@@ -64,6 +64,16 @@ def test_shifted_route_matches_loop_oracle(name, float64):
     assert _kernel_form(model, layer, x, y).per_example is not None  # the route is taken
     assert_rule_matches_oracle(model, layer, rule, x, y)
 
+    # A sum without norms (the mean aggregator's): the native filter gradient on TensorFlow,
+    # the GEMM over the shifted slices elsewhere.
+    pex = pergrad.PerExample(model, zoo.SCCE)
+    weights = np.random.default_rng(1).uniform(0.5, 2.0, size=B)
+    summed = pex.compiled("weighted_sum", lambda x, y, w: pex.compute(x, y).weighted_sum(w))(
+        *pex.prepare(x, y, weights))
+    expected, _ = loop_gradients(model, keras_loss(zoo.SCCE), x, y)
+    for s, e, v in zip(summed, expected, model.trainable_variables, strict=True):
+        assert_close(s, np.tensordot(weights, e, axes=1), what=f"weighted sum {v.path}")
+
 
 def test_strided_and_narrow_convolutions_keep_the_patch_route(float64):
     model, layer, _, x, y = _case("2d_same")

@@ -83,10 +83,11 @@ def statistics_from_result(result: PerExampleResult, sample_weight: Any = None,
     active = active_examples(sample_weight, result.batch_size)
     mask = ops.cast(active, dtype)
     coefficients = mask / ops.maximum(ops.sum(mask), 1)
+    # The norms first: a form whose norms build the per-example matrices sums from them.
+    squared_norms_per_var = result.squared_norms()
     mean_gradient = result.weighted_sum(coefficients)
     mean_sq = [ops.sum(ops.square(ops.cast(g, dtype))) for g in mean_gradient]
     batch_sq_norm = add_n(mean_sq)
-    squared_norms_per_var = result.squared_norms()
     dots_per_var = result.dots(mean_gradient)
     squared_norms = add_n(squared_norms_per_var) * mask
     dots = add_n(dots_per_var) * mask
