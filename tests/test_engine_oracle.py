@@ -27,8 +27,6 @@ def test_auto_matches_loop_oracle(name, float64):
     pex = pergrad.PerExample(case.model, case.loss)
     generic = {type(layer).__name__ for layer in pex.plan.generic}
     expect = set(case.expect_generic)
-    if keras.backend.backend() != "tensorflow":
-        expect |= set(case.generic_off_tensorflow)
     assert generic == expect, pex.plan.describe()
 
     grads = pex.gradients(case.x, case.y, case.sample_weight)

@@ -6,7 +6,6 @@ from __future__ import annotations
 import keras
 import numpy as np
 import pytest
-import tensorflow as tf
 import zoo
 from oracle import assert_close, keras_loss, loop_gradients
 from rule_check import assert_rule_matches_oracle
@@ -15,6 +14,8 @@ import pergrad
 from pergrad.engine.intercept import record_calls
 from pergrad.rules import find_rule
 from pergrad.rules.recurrent import recurrent_forward, recurrent_rule
+
+pytestmark = pytest.mark.all_backends
 
 L = keras.layers
 B, T, FEATURES, UNITS, VOCABULARY = 4, 5, 2, 3, 7
@@ -84,7 +85,19 @@ def _id(case) -> str:
 @pytest.mark.filterwarnings("ignore:Layer 'flatten.*does not support masking:UserWarning")
 @pytest.mark.parametrize(("cls", "masking", "kwargs"), CASES, ids=[_id(c) for c in CASES])
 def test_rule_matches_loop_oracle(cls, masking, kwargs, float64):
-    assert_rule_matches_oracle(*_model(cls, masking, **kwargs))
+    if keras.backend.backend() == "jax" and cls is L.SimpleRNN and masking is None:
+        pytest.skip("Keras's own unmasked float64 SimpleRNN fails on JAX (its scan carry changes "
+                    "dtype): no float64 loop oracle; test_forward_equals_keras checks float32")
+    model, layer, rule, x, y = _model(cls, masking, **kwargs)
+    if keras.backend.backend() == "jax" and kwargs.get("go_backwards"):
+        # Keras's JAX loop returns go_backwards outputs in another order: the generic rule.
+        pex = pergrad.PerExample(model, zoo.SCCE)
+        assert layer in pex.plan.generic, pex.plan.describe()
+        expected, _ = loop_gradients(model, keras_loss(zoo.SCCE), x, y)
+        for g, e in zip(pex.gradients(x, y), expected, strict=True):
+            assert_close(g, e)
+        return
+    assert_rule_matches_oracle(model, layer, rule, x, y)
 
 
 def test_shared_layer_called_twice(float64):
@@ -111,30 +124,35 @@ def test_forward_equals_keras(cls, kwargs):
     outputs and states are Keras's own, and they are what the model computes while recorded."""
     rng = np.random.default_rng(8)
     layer = cls(UNITS, **kwargs)
-    x = tf.constant(rng.normal(size=(B, T, FEATURES)), tf.float32)
+    x = keras.ops.convert_to_tensor(rng.normal(size=(B, T, FEATURES)).astype("float32"))
     layer(x)
+    if keras.backend.backend() == "jax" and kwargs.get("go_backwards"):
+        assert find_rule(layer) is None  # the generic rule there: see recurrent._exact
+        return
     _randomize(layer, 9)
     mask = np.ones((B, T), bool)
     mask[1, 3:], mask[2, :2], mask[3, 1:4] = False, False, False
-    states = [tf.constant(rng.normal(size=(B, UNITS)), tf.float32) for _ in layer.state_size]
-    for call_kwargs in ({}, {"mask": tf.constant(mask)},
-                        {"mask": tf.constant(mask), "initial_state": states}):
+    states = [keras.ops.convert_to_tensor(rng.normal(size=(B, UNITS)).astype("float32"))
+              for _ in layer.state_size]
+    as_mask = keras.ops.convert_to_tensor(mask)
+    for call_kwargs in ({}, {"mask": as_mask}, {"mask": as_mask, "initial_state": states}):
         expected = layer(x, **call_kwargs)
         got, tapped, _ = recurrent_forward(layer, (x,), dict(call_kwargs))
         assert tapped.shape == (B, T, layer.cell.kernel.shape[1])
-        for g, e in zip(tf.nest.flatten(got), tf.nest.flatten(expected), strict=True):
-            assert_close(g, e, rtol=1e-6, what=f"{call_kwargs.keys()}")
+        for g, e in zip(keras.tree.flatten(got), keras.tree.flatten(expected), strict=True):
+            assert_close(keras.ops.convert_to_numpy(g), keras.ops.convert_to_numpy(e),
+                         rtol=1e-6, what=f"{call_kwargs.keys()}")
 
     inputs = keras.Input((T, FEATURES))
     model = keras.Model(inputs, layer(L.Masking(0.0)(inputs)))
-    padded = x.numpy()
+    padded = np.array(keras.ops.convert_to_numpy(x))
     padded[~mask] = 0.0
     plan = pergrad.PerExample(model, "mse").plan
     with record_calls(plan) as calls:
         recorded = model(padded)
     assert calls[id(layer)][0].saved is not None  # the rule's forward ran
-    for g, e in zip(tf.nest.flatten(recorded), tf.nest.flatten(model(padded)), strict=True):
-        assert_close(g, e, rtol=1e-6)
+    for g, e in zip(keras.tree.flatten(recorded), keras.tree.flatten(model(padded)), strict=True):
+        assert_close(keras.ops.convert_to_numpy(g), keras.ops.convert_to_numpy(e), rtol=1e-6)
 
 
 class _OwnLoop(L.LSTM):
@@ -188,7 +206,7 @@ def test_mixed_float16_matches_the_float64_oracle():
     expected, _ = loop_gradients(twin, keras_loss(zoo.SCCE), x, y)
     scale = max(np.max(np.abs(e)) for e in expected)
     for g, e, v in zip(grads, expected, model.trainable_variables, strict=True):
-        assert g.dtype == tf.float32
+        assert keras.backend.standardize_dtype(g.dtype) == "float32"
         assert_close(g, e, atol=1e-2 * scale, what=v.path)
     flat = np.concatenate([e.reshape(B, -1) for e in expected], axis=1)
     assert_close(norms, np.linalg.norm(flat, axis=1), rtol=1e-2)

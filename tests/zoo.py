@@ -26,7 +26,6 @@ class Case:
     sample_weight: Any = None
     expect_generic: list = field(default_factory=list)
     # Layers whose rule runs on TensorFlow only (the recurrent ones) take the generic rule on JAX.
-    generic_off_tensorflow: list = field(default_factory=list)
 
 
 def _rng(seed=0):
@@ -139,8 +138,7 @@ def lstm():
     h = L.LSTM(5, return_sequences=True)(inputs)
     h = L.GRU(4)(h)
     outputs = L.Dense(3)(h)
-    return _classify(inputs, outputs, _rng().normal(size=(B, 4, 3)),
-                     generic_off_tensorflow=["LSTM", "GRU"])
+    return _classify(inputs, outputs, _rng().normal(size=(B, 4, 3)))
 
 
 def shared_layer():

@@ -70,11 +70,7 @@ def record_calls(plan: Plan, tap: Callable[[Any], Any] | None = None,
             if rule is not None and rule.check_call is not None:
                 rule.check_call(layer, LayerCall(layer, args, kwargs, None))
             if rule is not None and rule.forward is not None:
-                if tap is not None:
-                    raise NotImplementedError(
-                        f"The rule for {type(layer).__name__} computes its own forward pass; "
-                        f"it runs on the TensorFlow backend only.")
-                outputs, tapped, saved = rule.forward(layer, args, kwargs)
+                outputs, tapped, saved = rule.forward(layer, args, kwargs, tap)
                 note(LayerCall(layer, args, kwargs, tapped, saved))
                 return outputs
             # A generic layer replayed on JAX must see the state it ran with (seed states).

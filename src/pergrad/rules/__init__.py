@@ -12,12 +12,14 @@ overrides ``call`` computes something else and gets the generic rule instead.
 
 **Forward hook.** Some layers compute the tensor whose gradient a rule needs inside a loop (the
 gate pre-activations of a recurrent layer), where no tape can reach it. A rule may then register
-``forward(layer, args, kwargs) -> (outputs, tapped, saved)``: while recording, the engine runs it
+``forward(layer, args, kwargs, tap) -> (outputs, tapped, saved)``: while recording, the engine runs it
 *instead of* the layer's ``call`` (inside ``Layer.__call__``, so masks, ``training`` and mixed
 precision casting are resolved as for ``call``). ``outputs`` must equal what ``call`` returns;
 ``tapped`` is a tensor of the outer graph that the outputs depend on, whose gradient the rule
 receives as ``output_grad``; ``saved`` is anything else the forward computed that the rule needs
 (hidden states of every step, say), handed back as ``call.saved`` and never differentiated.
+``tap`` is ``None`` on TensorFlow (the tape reaches ``tapped``); on JAX and PyTorch it adds the
+engine's zero perturbation, and the hook must compute the outputs from ``tap(tapped)``.
 """
 
 from __future__ import annotations
@@ -48,7 +50,7 @@ class Rule:
     splits_activation: bool = False
     check_call: Callable[[Any, LayerCall], None] | None = None
     applies: Callable[[Any], bool] | None = None
-    forward: Callable[[Any, tuple, dict], tuple[Any, Any, Any]] | None = None
+    forward: Callable[[Any, tuple, dict, Any], tuple[Any, Any, Any]] | None = None
 
 
 _RULES: dict[type, Rule] = {}

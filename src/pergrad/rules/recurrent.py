@@ -26,34 +26,40 @@ Left to the generic rule (``applies``): dropout or recurrent dropout (random mas
 (the call updates state variables), ``unroll`` (Keras's unrolled loop zeroes masked outputs by
 the unreversed mask under ``go_backwards``: another function), subclasses that change the loop or
 the cell, and an input kernel that is not trainable (the tap reaches the tape through it).
+
+Written with ``keras.ops`` (the recurrence is ``keras.ops.scan``), so the same rule runs on every
+backend: on TensorFlow the tape reaches ``X``; on JAX and PyTorch the forward hook adds the
+engine's zero perturbation to ``X`` (its ``tap``) before the recurrence reads it.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import keras
-import tensorflow as tf
+from keras import ops
 
-from pergrad.backend import is_tensorflow
+from pergrad.backend import is_jax, is_tensorflow
+from pergrad.backend.ops import batch_size
 from pergrad.rules import LayerCall, register
 from pergrad.rules.forms import Factored, Materialized
 
+Tensor = Any
 # step(X_t, states) -> (output, new states, extras): extras are the per-step tensors the rule
 # needs besides h_{t-1} (GRU's reset gate r_t).
-Step = Callable[[tf.Tensor, tuple], tuple[tf.Tensor, tuple, tuple]]
+Step = Callable[[Tensor, tuple], tuple[Tensor, tuple, tuple]]
 
 
 class Saved(NamedTuple):
     """What the forward keeps for the rule, batch-major and in the input's time order."""
 
-    inputs: tf.Tensor  # x, (B, T, F)
-    previous: tf.Tensor  # h_{t-1}, (B, T, units)
-    reset: tf.Tensor | None  # GRU's r_t, (B, T, units); None for the other cells
+    inputs: Tensor  # x, (B, T, F)
+    previous: Tensor  # h_{t-1}, (B, T, units)
+    reset: Tensor | None  # GRU's r_t, (B, T, units); None for the other cells
 
 
-def _activate(fn, t: tf.Tensor) -> tf.Tensor:
+def _activate(fn, t: Tensor) -> Tensor:
     return t if fn is None else fn(t)
 
 
@@ -62,7 +68,7 @@ def _simple_rnn_step(cell) -> tuple[Step, int]:
     u = cell.recurrent_kernel.value
 
     def step(x, states):
-        h = _activate(cell.activation, x + tf.matmul(states[0], u))
+        h = _activate(cell.activation, x + ops.matmul(states[0], u))
         return h, (h,), ()
 
     return step, 0
@@ -75,7 +81,7 @@ def _lstm_step(cell) -> tuple[Step, int]:
 
     def step(x, states):
         h_prev, c_prev = states
-        z_i, z_f, z_c, z_o = tf.split(x + tf.matmul(h_prev, u), 4, axis=-1)
+        z_i, z_f, z_c, z_o = ops.split(x + ops.matmul(h_prev, u), 4, axis=-1)
         gate = cell.recurrent_activation
         c = gate(z_f) * c_prev + gate(z_i) * cell.activation(z_c)
         h = gate(z_o) * cell.activation(c)
@@ -92,19 +98,19 @@ def _gru_step(cell) -> tuple[Step, int]:
 
     def step(x, states):
         h_prev = states[0]
-        x_z, x_r, x_h = tf.split(x, 3, axis=-1)
+        x_z, x_r, x_h = ops.split(x, 3, axis=-1)
         if cell.reset_after:
-            inner = tf.matmul(h_prev, u)
+            inner = ops.matmul(h_prev, u)
             if recurrent_bias is not None:
                 inner = inner + recurrent_bias
         else:
-            inner = tf.matmul(h_prev, u[:, :2 * units])
+            inner = ops.matmul(h_prev, u[:, :2 * units])
         z = cell.recurrent_activation(x_z + inner[:, :units])
         r = cell.recurrent_activation(x_r + inner[:, units:2 * units])
         if cell.reset_after:
             candidate = r * inner[:, 2 * units:]
         else:
-            candidate = tf.matmul(r * h_prev, u[:, 2 * units:])
+            candidate = ops.matmul(r * h_prev, u[:, 2 * units:])
         h = z * h_prev + (1 - z) * cell.activation(x_h + candidate)
         return h, (h,), (r,)
 
@@ -118,12 +124,12 @@ _CELLS = {
 }
 
 
-def _input_projection(cell, x: tf.Tensor) -> tf.Tensor:
+def _input_projection(cell, x: Tensor) -> Tensor:
     """``X = x W + b_in``, ``(B, T, gates * units)``: the tapped tensor."""
-    projected = tf.einsum("btf,fg->btg", x, cell.kernel.value)
+    projected = ops.einsum("btf,fg->btg", x, cell.kernel.value)
     if cell.use_bias:
         bias = cell.bias.value
-        projected = projected + (bias[0] if bias.shape.rank == 2 else bias)
+        projected = projected + (bias[0] if len(bias.shape) == 2 else bias)
     return projected
 
 
@@ -133,18 +139,18 @@ def _arguments(sequences, initial_state=None, mask=None, training=False):
     return sequences, initial_state, mask
 
 
-def _initial_states(layer, sequences: tf.Tensor, initial_state) -> tuple:
+def _initial_states(layer, sequences: Tensor, initial_state) -> tuple:
     """The states entering step 0, in the cell's compute dtype, as ``RNN.call`` builds them."""
     dtype = layer.cell.compute_dtype
     if initial_state is None:
-        batch = tf.shape(sequences)[0]
-        return tuple(tf.zeros([batch, size], dtype) for size in layer.state_size)
-    if not tf.nest.is_nested(initial_state):
+        batch = batch_size(sequences)
+        return tuple(ops.zeros([batch, size], dtype) for size in layer.state_size)
+    if not keras.tree.is_nested(initial_state):
         initial_state = [initial_state]
-    return tuple(tf.cast(s, dtype) for s in initial_state)
+    return tuple(ops.cast(s, dtype) for s in initial_state)
 
 
-def _recur(step: Step, extras: int, inputs: tf.Tensor, mask: tf.Tensor | None, states: tuple,
+def _recur(step: Step, extras: int, inputs: Tensor, mask: Tensor | None, states: tuple,
            zero_output_for_mask: bool) -> tuple:
     """Run ``step`` over time-major ``inputs`` ``(T, B, G)`` as Keras's ``backend.rnn`` does.
 
@@ -153,98 +159,127 @@ def _recur(step: Step, extras: int, inputs: tf.Tensor, mask: tf.Tensor | None, s
     time-major outputs, the final states, ``h_{t-1}`` and the step extras, all stacked over ``t``.
     """
     def body(carry, elems):
-        previous_output, previous_states = carry[0], carry[1]
+        previous_output, previous_states = carry
         output, new_states, step_extras = step(elems[0], previous_states)
+        # The carry keeps its dtypes (lax.scan requires it): Keras's JAX backend can return an
+        # activation in float32 for float64 inputs.
+        output = ops.cast(output, previous_output.dtype)
+        new_states = tuple(ops.cast(new, old.dtype)
+                           for new, old in zip(new_states, previous_states, strict=True))
+        step_extras = tuple(ops.cast(e, previous_output.dtype) for e in step_extras)
         if mask is not None:
             keep = elems[1][:, None]
-            held = tf.zeros_like(output) if zero_output_for_mask else previous_output
-            output = tf.where(keep, output, held)
-            new_states = tuple(tf.where(keep, new, old)
+            if zero_output_for_mask:
+                held = ops.zeros_like(output)
+            elif is_jax():  # Keras's JAX loop holds h_{t-1} (h_0 before the first kept step)
+                held = previous_states[0]
+            else:  # TensorFlow's and PyTorch's hold the previous output (zeros before it)
+                held = previous_output
+            output = ops.where(keep, output, held)
+            new_states = tuple(ops.where(keep, new, old)
                                for new, old in zip(new_states, previous_states, strict=True))
-        return output, tuple(new_states), previous_states[0], tuple(step_extras)
+        return (output, tuple(new_states)), (output, previous_states[0], tuple(step_extras))
 
-    zero = tf.zeros_like(states[0])
-    initializer = (zero, states, zero, tuple(zero for _ in range(extras)))
     elems = (inputs,) if mask is None else (inputs, mask)
-    outputs, state_steps, previous, extra_steps = tf.scan(body, elems, initializer=initializer)
-    return outputs, tuple(s[-1] for s in state_steps), previous, extra_steps
+    zero = ops.zeros_like(states[0])
+    if is_tensorflow():
+        # tf.scan: Keras 3.15's TensorFlow ops.scan mishandles nested carries and outputs.
+        import tensorflow as tf
+
+        def accumulate(acc, step_elems):
+            (output, new_states), (_, previous_h, step_extras) = body(
+                (acc[0], acc[1]), step_elems)
+            return output, new_states, previous_h, step_extras
+
+        initializer = (zero, tuple(states), zero, tuple(zero for _ in range(extras)))
+        outputs, state_steps, previous, extra_steps = tf.scan(accumulate, elems,
+                                                               initializer=initializer)
+        return outputs, tuple(s[-1] for s in state_steps), previous, extra_steps
+    (_, final_states), (outputs, previous, extra_steps) = ops.scan(
+        body, (zero, tuple(states)), elems)
+    return outputs, tuple(final_states), previous, extra_steps
 
 
-def _batch_major(t: tf.Tensor, backwards: bool) -> tf.Tensor:
+def _batch_major(t: Tensor, backwards: bool) -> Tensor:
     """Time-major ``(T, B, n)`` in processing order to ``(B, T, n)`` in the input's order."""
-    t = tf.transpose(t, [1, 0, 2])
-    return tf.reverse(t, [1]) if backwards else t
+    t = ops.transpose(t, [1, 0, 2])
+    return ops.flip(t, axis=1) if backwards else t
 
 
-def _time_major(projected: tf.Tensor, mask, backwards: bool) -> tuple:
+def _time_major(projected: Tensor, mask, backwards: bool) -> tuple:
     """``X`` ``(T, B, G)`` and the mask ``(T, B)`` (or ``None``) in processing order."""
-    if tf.nest.is_nested(mask):
-        mask = tf.nest.flatten(mask)[0]
-    inputs = tf.transpose(projected, [1, 0, 2])
-    mask = None if mask is None else tf.transpose(tf.cast(mask, tf.bool))
+    if keras.tree.is_nested(mask):
+        mask = keras.tree.flatten(mask)[0]
+    inputs = ops.transpose(projected, [1, 0, 2])
+    mask = None if mask is None else ops.transpose(ops.cast(mask, "bool"))
     if backwards:
-        inputs = tf.reverse(inputs, [0])
-        mask = None if mask is None else tf.reverse(mask, [0])
+        inputs = ops.flip(inputs, axis=0)
+        mask = None if mask is None else ops.flip(mask, axis=0)
     return inputs, mask
 
 
-def recurrent_forward(layer, args: tuple, kwargs: dict) -> tuple:
-    """``RNN.call`` recomputed with the input projection ``X`` exposed: ``(outputs, X, Saved)``."""
+def recurrent_forward(layer, args: tuple, kwargs: dict,
+                      tap: Callable[[Tensor], Tensor] | None = None) -> tuple:
+    """``RNN.call`` recomputed with the input projection ``X`` exposed: ``(outputs, X, Saved)``.
+
+    ``tap``, when given (JAX, PyTorch), is applied to ``X`` before the recurrence reads it."""
     sequences, initial_state, mask = _arguments(*args, **kwargs)
     cell, backwards = layer.cell, layer.go_backwards
-    x = tf.cast(sequences, cell.kernel.value.dtype)
+    x = ops.cast(sequences, cell.kernel.value.dtype)
     projected = _input_projection(cell, x)
+    if tap is not None:
+        projected = tap(projected)
     step, extras = _CELLS[_registered_class(layer)][1](cell)  # the cell's math, see above
     inputs, mask = _time_major(projected, mask, backwards)
     outputs, states, previous, extra_steps = _recur(
         step, extras, inputs, mask, _initial_states(layer, sequences, initial_state),
         layer.zero_output_for_mask)
     output = _batch_major(outputs, False) if layer.return_sequences else outputs[-1]
-    output = tf.cast(output, layer.compute_dtype)
-    states = [tf.cast(s, layer.compute_dtype) for s in states]
+    output = ops.cast(output, layer.compute_dtype)
+    states = [ops.cast(s, layer.compute_dtype) for s in states]
     saved = Saved(x, _batch_major(previous, backwards),
                   _batch_major(extra_steps[0], backwards) if extras else None)
     return ((output, *states) if layer.return_state else output), projected, saved
 
 
-def _outer(variable, a: tf.Tensor, d: tf.Tensor) -> Factored:
+def _outer(variable, a: Tensor, d: Tensor) -> Factored:
     """``sum_t a_t^T d_t`` for ``a`` ``(B, T, I)`` and ``d`` ``(B, T, O)``: one group."""
     return Factored(variable, a[:, :, None, :], d[:, :, None, :], tuple(variable.shape))
 
 
-def _gates(t: tf.Tensor, count: int) -> tf.Tensor:
+def _gates(t: Tensor, count: int) -> Tensor:
     """``(B, T, count * n)`` to ``(B, T, count, n)``: one group per gate."""
     steps = t.shape[1] if t.shape[1] is not None else -1
-    return tf.reshape(t, [tf.shape(t)[0], steps, count, t.shape[-1] // count])
+    return ops.reshape(t, [batch_size(t), steps, count, t.shape[-1] // count])
 
 
-def _gru_forms(cell, h: tf.Tensor, r: tf.Tensor, d: tf.Tensor) -> list:
+def _gru_forms(cell, h: Tensor, r: Tensor, d: Tensor) -> list:
     """The recurrent kernel's form, and the bias's (see the module docstring)."""
     u = cell.recurrent_kernel
     if not cell.reset_after:
-        a = tf.stack([h, h, r * h], axis=2)  # (B, T, 3, units): what each gate's U multiplies
+        a = ops.stack([h, h, r * h], axis=2)  # (B, T, 3, units): what each gate's U multiplies
         forms = [Factored(u, a, _gates(d, 3), (cell.units, 3, cell.units))]
-        return forms + ([Materialized(cell.bias, tf.reduce_sum(d, 1))] if cell.use_bias else [])
-    d_z, d_r, d_h = tf.split(d, 3, axis=-1)
-    d_rec = tf.concat([d_z, d_r, r * d_h], axis=-1)
+        return forms + ([Materialized(cell.bias, ops.sum(d, 1))] if cell.use_bias else [])
+    d_z, d_r, d_h = ops.split(d, 3, axis=-1)
+    d_rec = ops.concatenate([d_z, d_r, r * d_h], axis=-1)
     forms = [_outer(u, h, d_rec)]
     if cell.use_bias:
-        forms.append(Materialized(cell.bias, tf.stack(
-            [tf.reduce_sum(d, 1), tf.reduce_sum(d_rec, 1)], axis=1)))
+        forms.append(Materialized(cell.bias, ops.stack(
+            [ops.sum(d, 1), ops.sum(d_rec, 1)], axis=1)))
     return forms
 
 
-def recurrent_rule(layer, call: LayerCall, grad: tf.Tensor) -> list:
+def recurrent_rule(layer, call: LayerCall, grad: Tensor) -> list:
     cell = layer.cell
     dtype = cell.kernel.dtype
-    x, h, r = (None if t is None else tf.cast(t, dtype) for t in call.saved)
-    d = tf.cast(grad, dtype)  # (B, T, gates * units)
+    x, h, r = (None if t is None else ops.cast(t, dtype) for t in call.saved)
+    d = ops.cast(grad, dtype)  # (B, T, gates * units)
     forms = [_outer(cell.kernel, x, d)]
     if isinstance(cell, keras.layers.GRUCell):
         return forms + _gru_forms(cell, h, r, d)
     forms.append(_outer(cell.recurrent_kernel, h, d))
     if cell.use_bias:
-        forms.append(Materialized(cell.bias, tf.reduce_sum(d, 1)))
+        forms.append(Materialized(cell.bias, ops.sum(d, 1)))
     return forms
 
 
@@ -253,18 +288,18 @@ def _registered_class(layer) -> type:
 
 
 def _exact(layer) -> bool:
-    """The recomputed recurrence is the layer's own: see the module docstring. The recurrence
-    is written with ``tf.scan``: on the JAX backend these layers take the generic rule
-    (``jax.vmap`` of the layer's own VJP, exact)."""
-    if not is_tensorflow():
-        return False
+    """The recomputed recurrence is the layer's own: see the module docstring (and, on JAX,
+    not ``go_backwards``)."""
     layer_class = _registered_class(layer)
     cell = layer.cell
     return (type(cell) is _CELLS[layer_class][0]
             and type(layer).inner_loop is layer_class.inner_loop
             and not cell.dropout and not cell.recurrent_dropout
             and not layer.stateful and not layer.unroll
-            and cell.kernel.trainable)
+            and cell.kernel.trainable
+            # Keras's JAX loop returns go_backwards sequences in the input's order (and the
+            # last output of that order): another function, left to the generic rule.
+            and not (is_jax() and layer.go_backwards))
 
 
 register(*_CELLS, applies=_exact, forward=recurrent_forward)(recurrent_rule)
