@@ -28,6 +28,7 @@ import keras
 from keras import ops
 
 from pergrad._compat import autocast_scope, call_takes_training
+from pergrad.engine.functional import example_loss, one_example_call
 from pergrad.engine.intercept import record_calls
 from pergrad.engine.losses import weighted_losses
 from pergrad.engine.plan import Plan, draws_random
@@ -220,10 +221,7 @@ def generic_forms(layer, call: LayerCall, grads: list, training: bool) -> list[M
     batched = [i for i, leaf in enumerate(leaves) if _batched(leaf, batch)]
 
     def one_example(example_leaves, example_grads):
-        full = list(leaves)
-        for k, i in enumerate(batched):
-            full[i] = example_leaves[k][None]
-        args, kwargs = keras.tree.pack_sequence_as((call.args, call.kwargs), full)
+        args, kwargs = one_example_call(call, leaves, batched, example_leaves)
 
         def inner(vals):
             with autocast_scope(layer):
@@ -257,17 +255,6 @@ def _replayed_forms(layer, call: LayerCall, grads: list) -> list[Materialized]:
 
 
 # -- whole-model baselines ------------------------------------------------------------------------
-def _example_loss(model, loss_fn, training: bool, frozen: list):
-    def loss(values, xi, yi, wi):
-        xi = keras.tree.map_structure(lambda t: t[None], xi)
-        yi = None if yi is None else keras.tree.map_structure(lambda t: t[None], yi)
-        kwargs = {"training": training} if call_takes_training(model) else {}
-        with autocast_scope(model):
-            predictions, _ = model.stateless_call(values, frozen, xi, **kwargs)
-        return weighted_losses(loss_fn(yi, predictions), wi[None])[0]
-    return loss
-
-
 def _unit_weights(x, sample_weight):
     if sample_weight is not None:
         return sample_weight
@@ -283,7 +270,7 @@ def _materialized(model, grads, losses, predictions) -> PerExampleResult:
 def _per_example_map(mapper, model, loss_fn, x, y, sample_weight, training: bool):
     values = current_values(model.trainable_variables)
     frozen = current_values(model.non_trainable_variables)
-    loss = _example_loss(model, loss_fn, training, frozen)
+    loss = example_loss(model, loss_fn, training, frozen)
     value_and_grad = jax.value_and_grad(loss)
     w = _unit_weights(x, sample_weight)
 

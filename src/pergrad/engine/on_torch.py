@@ -31,6 +31,7 @@ import keras
 import torch
 
 from pergrad._compat import autocast_scope, call_takes_training
+from pergrad.engine.functional import example_loss, one_example_call
 from pergrad.engine.intercept import record_calls
 from pergrad.engine.losses import weighted_losses
 from pergrad.engine.plan import Plan, draws_random
@@ -155,10 +156,7 @@ def generic_forms(layer, call: LayerCall, grads: list, training: bool,
     batched = [i for i, leaf in enumerate(leaves) if _batched(leaf, batch)]
 
     def one_example(example_leaves, example_grads):
-        full = list(leaves)
-        for k, i in enumerate(batched):
-            full[i] = example_leaves[k][None]
-        args, kwargs = keras.tree.pack_sequence_as((call.args, call.kwargs), full)
+        args, kwargs = one_example_call(call, leaves, batched, example_leaves)
 
         def inner(vals):
             with autocast_scope(layer):
@@ -209,17 +207,6 @@ def _replayed_forms(layer, call: LayerCall, grads: list) -> list[Materialized]:
 
 
 # -- whole-model baselines ------------------------------------------------------------------------
-def _example_loss(model, loss_fn, training: bool, frozen: list):
-    def loss(values, xi, yi, wi):
-        xi = keras.tree.map_structure(lambda t: t[None], xi)
-        yi = None if yi is None else keras.tree.map_structure(lambda t: t[None], yi)
-        kwargs = {"training": training} if call_takes_training(model) else {}
-        with autocast_scope(model):
-            predictions, _ = model.stateless_call(values, frozen, xi, **kwargs)
-        return weighted_losses(loss_fn(yi, predictions), wi[None])[0]
-    return loss
-
-
 def _unit_weights(x, sample_weight):
     if sample_weight is not None:
         return sample_weight
@@ -245,7 +232,7 @@ def run_vmap(model, loss_fn, x, y, sample_weight, training: bool) -> PerExampleR
     ``model.stateless_call``."""
     values = _values(model.trainable_variables)
     frozen = _values(model.non_trainable_variables)
-    value_and_grad = torch.func.grad_and_value(_example_loss(model, loss_fn, training, frozen))
+    value_and_grad = torch.func.grad_and_value(example_loss(model, loss_fn, training, frozen))
 
     def one(xi, yi, wi):
         grads, loss = value_and_grad(values, xi, yi, wi)
@@ -267,7 +254,7 @@ def run_loop(model, loss_fn, x, y, sample_weight, training: bool) -> PerExampleR
     """One gradient per example in a Python loop: the reference the others match."""
     values = _values(model.trainable_variables)
     frozen = _values(model.non_trainable_variables)
-    value_and_grad = torch.func.grad_and_value(_example_loss(model, loss_fn, training, frozen))
+    value_and_grad = torch.func.grad_and_value(example_loss(model, loss_fn, training, frozen))
     w = _unit_weights(x, sample_weight)
     losses, rows = [], []
     for i in range(w.shape[0]):

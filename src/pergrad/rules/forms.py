@@ -234,19 +234,15 @@ class Factored:
 
     def masked(self, keep: Tensor) -> Factored:
         """The form with the rows of examples where ``keep`` is false set to zero (NaN rows
-        included). The native ``summed`` kernel reads the unmasked inputs, so it is used only
-        while every row is kept; the native ``per_example`` matrices are independent per
-        example, so their dropped rows are zeroed after the kernel."""
+        included): ``remake(keep)`` where the rule gave one, else ``a`` and ``d`` with those
+        rows zeroed. The native ``summed`` and ``per_example`` kernels read the unmasked
+        inputs, so without ``remake`` the first is used only while every row is kept and the
+        second not at all."""
         if self.remake is not None:
             return self.remake(keep)
-        per_example = None
-        if self.per_example is not None:
-            def per_example(native=self.per_example):
-                return zero_rows(native(), keep)
         plain = Factored(self.variable, zero_rows(self.a, keep), zero_rows(self.d, keep),
                          self.natural_shape, self.perm)
         if self.summed is None:
-            plain.per_example = per_example
             return plain
         native = self.summed
 
@@ -255,8 +251,7 @@ class Factored:
                             lambda: ops.reshape(native(coefficients), self.var_shape),
                             lambda: plain.weighted_sum(coefficients))
 
-        return Factored(self.variable, plain.a, plain.d, self.natural_shape, self.perm, summed,
-                        per_example)
+        return Factored(self.variable, plain.a, plain.d, self.natural_shape, self.perm, summed)
 
     def merged_with(self, other: Factored) -> Factored:
         """Two calls of one layer: the sums over positions concatenate along ``T``."""
@@ -267,9 +262,13 @@ class Factored:
         if self.per_example is not None and other.per_example is not None:
             def per_example(first=self.per_example, second=other.per_example):
                 return first() + second()
+        remake = None
+        if self.remake is not None and other.remake is not None:
+            def remake(keep, first=self.remake, second=other.remake):
+                return first(keep).merged_with(second(keep))
         return Factored(self.variable, ops.concatenate([self.a, other.a], 1),
                         ops.concatenate([self.d, other.d], 1), self.natural_shape, self.perm,
-                        summed, per_example)
+                        summed, per_example, remake)
 
 
 @dataclass
