@@ -87,6 +87,28 @@ def test_clipped_sum_drops_non_finite_examples(name, float64):
 
 
 @BOTH
+@pytest.mark.parametrize("name", ["conv2d_same_stride2", "separable_shared_depthwise"])
+def test_kept_weighted_sum_zeroes_dropped_rows(name, float64):
+    """``PerExampleResult.kept_weighted_sum(c, keep)`` in a compiled body: the sum over the kept
+    examples only, with any coefficients, whether or not a row is dropped (a NaN input row
+    included)."""
+    case = zoo.ALL[name]()
+    expected, _ = _oracle(case)
+    pex = pergrad.PerExample(case.model, case.loss)
+    coefficients = np.random.default_rng(2).uniform(0.5, 2.0, size=zoo.B)
+    body = pex.compiled("kept", lambda x, y, c, keep: pex.compute(x, y).kept_weighted_sum(c, keep))
+    for dropped in ([], [1]):
+        x = np.array(case.x)
+        x[dropped] = np.nan
+        keep = ~np.isin(np.arange(zoo.B), dropped)
+        summed = body(*pex.prepare(x, case.y)[:2], keras.ops.convert_to_tensor(coefficients),
+                      keras.ops.convert_to_tensor(keep))
+        factors = np.where(keep, coefficients, 0.0)
+        for s, e in zip(summed, expected, strict=True):
+            assert_close(s, np.tensordot(factors, e, axes=1), what=f"{name}, dropped {dropped}")
+
+
+@BOTH
 @pytest.mark.parametrize("strategy", ["vmap", "jacobian", "loop"])
 @pytest.mark.parametrize("name", ["mlp", "conv2d_same_stride2", "embedding", "shared_layer",
                                   "sample_weight_regularizers", "subclassed_raw_variable"])
