@@ -11,7 +11,8 @@ import contextlib
 from typing import Any
 
 import keras
-import tensorflow as tf
+
+from pergrad.backend.lazy import tensorflow as tf
 
 try:  # Keras has no public name for the scope Layer.__call__ opens under mixed precision.
     from keras.src.backend import AutocastScope

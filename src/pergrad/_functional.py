@@ -5,8 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-import tensorflow as tf
-
+from pergrad.backend.lazy import tensorflow as tf
 from pergrad.engine import PerExample
 
 

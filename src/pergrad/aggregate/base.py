@@ -249,6 +249,8 @@ def require_rows(rows, name: str):
                "Skip empty batches, or for DP-SGD over Poisson batches pass "
                "expected_batch_size, which divides by the expected size instead.")
     static = _static_value(rows)
+    if static is None and backend.is_torch():
+        static = float(rows)  # eager: every tensor holds its value
     if static is None and backend.is_jax():
         import jax
         if not isinstance(rows, jax.core.Tracer):

@@ -22,9 +22,9 @@ import json
 import sys
 
 import keras
-import tensorflow as tf
 
 import pergrad
+from pergrad.backend.lazy import tensorflow as tf
 from pergrad.bench.models import DEFAULT_BATCH, MODELS, batch
 from pergrad.bench.timing import median_seconds
 

@@ -31,8 +31,8 @@ from collections.abc import Callable
 
 import keras
 import numpy as np
-import tensorflow as tf
 
+from pergrad.backend.lazy import tensorflow as tf
 from pergrad.jacobian import jacobian
 
 tf.get_logger().setLevel("ERROR")  # the eager tape's per-call pfor retracing warnings

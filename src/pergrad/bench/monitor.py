@@ -24,8 +24,8 @@ import time
 import warnings
 
 import keras
-import tensorflow as tf
 
+from pergrad.backend.lazy import tensorflow as tf
 from pergrad.bench.models import MODELS, batch
 from pergrad.bench.timing import script_main
 from pergrad.keras import PerExampleModel

@@ -8,7 +8,7 @@ import statistics
 import time
 from collections.abc import Callable
 
-import tensorflow as tf
+from pergrad.backend.lazy import tensorflow as tf
 
 
 def _block(result) -> None:

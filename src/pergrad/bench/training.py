@@ -27,9 +27,9 @@ import statistics
 import time
 
 import keras
-import tensorflow as tf
 
 from pergrad import aggregate
+from pergrad.backend.lazy import tensorflow as tf
 from pergrad.bench.models import DEFAULT_BATCH, MODELS, batch
 from pergrad.keras import PerExampleModel
 

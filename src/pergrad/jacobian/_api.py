@@ -7,9 +7,9 @@ from types import ModuleType
 from typing import Any
 
 import keras
-import tensorflow as tf
 
 from pergrad.backend import is_jax, require_supported
+from pergrad.backend.lazy import tensorflow as tf
 from pergrad.jacobian import _modes
 from pergrad.jacobian._call import (
     Argnums,

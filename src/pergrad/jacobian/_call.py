@@ -6,9 +6,9 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import keras
-import tensorflow as tf
 
 from pergrad.backend import is_tensorflow
+from pergrad.backend.lazy import tensorflow as tf
 
 Argnums = int | Sequence[int] | None
 

@@ -23,7 +23,8 @@ from collections.abc import Callable, Hashable
 from typing import Any
 
 import numpy as np
-import tensorflow as tf
+
+from pergrad.backend.lazy import tensorflow as tf
 
 
 class _Counted:

@@ -27,8 +27,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-import tensorflow as tf
-
+from pergrad.backend.lazy import tensorflow as tf
 from pergrad.jacobian._structure import (
     batch_first,
     block_shape,
@@ -43,7 +42,7 @@ from pergrad.jacobian._structure import (
 )
 from pergrad.jacobian._vmap import stack_map
 
-ZERO = tf.UnconnectedGradients.ZERO
+ZERO = "zero"  # tf.UnconnectedGradients.ZERO, by value: reading the enum would import TensorFlow
 MODES = ("auto", "rev", "fwd")
 
 

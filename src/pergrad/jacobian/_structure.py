@@ -14,9 +14,9 @@ from typing import Any
 
 import keras
 import numpy as np
-import tensorflow as tf
 
 from pergrad.backend import is_tensorflow
+from pergrad.backend.lazy import tensorflow as tf
 from pergrad.backend.ops import is_floating
 
 
@@ -35,7 +35,7 @@ def pack_as(structure: Any, leaves: list) -> Any:
 def rank(t: Any) -> int | None:
     """The number of dimensions of `t` (None for a TensorFlow tensor of unknown rank)."""
     shape = t.shape
-    return shape.rank if isinstance(shape, tf.TensorShape) else len(shape)
+    return shape.rank if is_tensorflow() and isinstance(shape, tf.TensorShape) else len(shape)
 
 
 def leaf_paths(structure: Any, root: str) -> list[str]:
@@ -60,15 +60,10 @@ def leaf_paths(structure: Any, root: str) -> list[str]:
             paths.append(path)
 
     walk(structure, root)
-    n = len(tf.nest.flatten(structure))
+    n = len(flatten(structure))
     if len(paths) != n:
         paths = [f"{root}<leaf {i}>" for i in range(n)]
     return paths
-
-
-def is_tensor_like(x: Any) -> bool:
-    """True for the leaves we treat as array data (tensors, variables, NumPy arrays)."""
-    return isinstance(x, (tf.Tensor, tf.Variable, np.ndarray, np.generic))
 
 
 def to_tensor(x: Any, path: str, what: str) -> Any:

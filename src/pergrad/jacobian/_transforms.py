@@ -17,10 +17,10 @@ from collections.abc import Callable
 from typing import Any
 
 import keras
-import tensorflow as tf
 
 from pergrad._compat import backing_tf_variable
 from pergrad.backend import is_jax, require_supported
+from pergrad.backend.lazy import tensorflow as tf
 from pergrad.jacobian._call import make_caller, primal_args
 from pergrad.jacobian._compile import Traced, compiled_for
 from pergrad.jacobian._modes import ZERO, scalar_objective

@@ -15,7 +15,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-import tensorflow as tf
+from pergrad.backend.lazy import tensorflow as tf
 
 
 def _vmap(fn: Callable[[tf.Tensor], Any], indices: tf.Tensor) -> Any:

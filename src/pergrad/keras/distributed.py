@@ -36,14 +36,16 @@ from typing import Any
 
 import keras
 import numpy as np
-import tensorflow as tf
 
 from pergrad.backend import require_tensorflow
+from pergrad.backend.lazy import tensorflow as tf
 from pergrad.keras.faults import WorkerFailureError
 
-#: The errors a collective raises when a peer is gone or too slow.
-_PEER_ERRORS = (tf.errors.UnavailableError, tf.errors.DeadlineExceededError,
-                tf.errors.CancelledError, tf.errors.AbortedError)
+
+def _peer_errors() -> tuple[type[Exception], ...]:
+    """The errors a collective raises when a peer is gone or too slow."""
+    return (tf.errors.UnavailableError, tf.errors.DeadlineExceededError,
+            tf.errors.CancelledError, tf.errors.AbortedError)
 
 
 def multi_worker_strategy(timeout_seconds: float = 60.0,
@@ -201,7 +203,7 @@ def fit_distributed(model: keras.Model, x: Any = None, y: Any = None, *,
             skip = 0
             if model.stop_training:
                 break
-    except _PEER_ERRORS as error:
+    except _peer_errors() as error:
         where = "" if checkpoint_dir is None else (
             f" Training resumes from the last checkpoint in {checkpoint_dir} (epoch "
             f"{int(epoch_var.numpy())}, step {int(step_var.numpy())}) when every worker is "

@@ -24,13 +24,13 @@ import warnings
 from typing import Any
 
 import keras
-import tensorflow as tf
 from keras import ops
 
 from pergrad import aggregate
 from pergrad._compat import compiled_loss, held_value, loss_tracker
 from pergrad.aggregate import noise
 from pergrad.backend import is_tensorflow, require_supported
+from pergrad.backend.lazy import tensorflow as tf
 from pergrad.engine import PerExample, compute_dtype, mixing_tolerance
 from pergrad.engine.losses import leaf_loss
 from pergrad.keras.faults import backups_first, lost_process_errors

@@ -13,9 +13,9 @@ import math
 from typing import Any
 
 import numpy as np
-import tensorflow as tf
 from scipy import stats
 
+from pergrad.backend.lazy import tensorflow as tf
 from pergrad.privacy.accounting import _as_epochs, _as_int, dp_sgd_steps
 
 # Probability that *any* batch of one pass over the returned dataset overflows the default

@@ -1,0 +1,42 @@
+"""TensorFlow is imported on first use only: pergrad on JAX never loads it."""
+
+from __future__ import annotations
+
+import os
+import pathlib
+import sys
+
+import pytest
+from processes import run_bounded
+
+from pergrad.backend.lazy import LazyModule
+
+HERE = pathlib.Path(__file__).parent
+
+
+def test_lazy_module_imports_on_first_attribute():
+    json = LazyModule("json")
+    assert json._module is None
+    assert json.dumps([1]) == "[1]"
+    assert json._module is sys.modules["json"]
+    assert "loads" in dir(json)
+
+
+def test_lazy_module_does_not_import_for_dunder_probes():
+    missing = LazyModule("pergrad_no_such_module")
+    assert not hasattr(missing, "__wrapped__")  # copy, pickle and inspect probe these
+    with pytest.raises(ModuleNotFoundError):
+        missing.anything  # noqa: B018
+
+
+@pytest.mark.parametrize("backend", ["jax", "torch"])
+def test_workflows_on_other_backends_never_import_tensorflow(backend):
+    """In a fresh process on ``backend``: PerExample and the noiseless aggregators; on JAX also
+    stats, PerExampleModel.fit with dp_mean, the monitor, the privacy callback, accounting and
+    Jacobians (tests/without_tensorflow.py)."""
+    pytest.importorskip(backend)
+    env = dict(os.environ, KERAS_BACKEND=backend)
+    [result] = run_bounded([[sys.executable, str(HERE / "without_tensorflow.py")]],
+                           timeout=240, env=env)
+    assert result.returncode == 0, result.stdout + result.stderr[-3000:]
+    assert "tensorflow not imported" in result.stdout
