@@ -1,8 +1,13 @@
 """pergrad on the PyTorch backend (CPU): norms, clipped sum and gradients against torch's own
-batch gradient of the same Keras model, and against the ``torch.func.vmap(grad)`` baseline.
+batch gradient of the same Keras model, and against the ``torch.func.vmap(grad)`` baseline;
+then ``PerExampleModel`` training steps against a plain Keras step.
 
     KERAS_BACKEND=torch python benchmarks/bench_torch.py [--models mlp,cnn] [--batch 256]
-        [--threads 1]
+        [--threads 1] [--skip-engine]
+
+Training steps: ``train_on_batch`` of a plain ``keras.Model`` compiled with Adam, against the
+same weights and data under ``PerExampleModel`` with ``aggregate.mean()``, ``clip_mean`` and
+``dp_mean`` (``l2_norm_clip=1``, ``noise_multiplier=1``), each step timed whole.
 
 Each ratio is against the batch gradient measured in the same run: ``torch.autograd.grad`` of
 the summed loss through one ordinary (eager) call of the model. *vmap* is pergrad's
@@ -68,11 +73,34 @@ def _row(name: str, size: int, repeats: int) -> list[str]:
     return cells
 
 
+def _training_row(name: str, size: int, repeats: int) -> list[str]:
+    from pergrad import aggregate
+
+    x, y = models.batch(name, size)
+
+    def step_of(aggregator):
+        keras.utils.set_random_seed(0)
+        model = models.MODELS[name]()
+        if aggregator is not None:
+            model = pergrad.keras.PerExampleModel(model, aggregator)
+        model.compile(optimizer=keras.optimizers.Adam(1e-3), loss=LOSS)
+        return lambda: model.train_on_batch(x, y)
+
+    base = _median_ms(step_of(None), repeats)
+    cells = [name, str(size), f"{base:.2f} ms"]
+    for aggregator in (aggregate.mean(), aggregate.clip_mean(1.0),
+                       aggregate.dp_mean(1.0, 1.0, expected_batch_size=size)):
+        cells.append(f"{_median_ms(step_of(aggregator), repeats) / base:.2f}x")
+    return cells
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", default="mlp,cnn")
     parser.add_argument("--batch", type=int, default=256)
     parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--skip-engine", action="store_true",
+                        help="only the training-step table")
     parser.add_argument("--threads", type=int, default=None,
                         help="torch.set_num_threads (default: torch's own choice)")
     args = parser.parse_args(argv)
@@ -82,11 +110,18 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("run with KERAS_BACKEND=torch")
     print(f"torch {torch.__version__}, Keras {keras.__version__}, {platform.machine()}, "
           f"{torch.get_num_threads()} threads\n")
-    print("| model | batch | batch gradient | pergrad norms | pergrad clipped_sum | "
-          "pergrad gradients | vmap norms | vmap clipped_sum | vmap gradients |")
-    print("|---|---|---|---|---|---|---|---|---|")
+    if not args.skip_engine:
+        print("| model | batch | batch gradient | pergrad norms | pergrad clipped_sum | "
+              "pergrad gradients | vmap norms | vmap clipped_sum | vmap gradients |")
+        print("|---|---|---|---|---|---|---|---|---|")
+        for name in args.models.split(","):
+            print("| " + " | ".join(_row(name, args.batch, args.repeats)) + " |", flush=True)
+        print()
+    print("| model | batch | Keras step | mean step | clip_mean step | DP step (dp_mean) |")
+    print("|---|---|---|---|---|---|")
     for name in args.models.split(","):
-        print("| " + " | ".join(_row(name, args.batch, args.repeats)) + " |", flush=True)
+        print("| " + " | ".join(_training_row(name, args.batch, args.repeats)) + " |",
+              flush=True)
     return 0
 
 

@@ -39,27 +39,19 @@ def pytest_configure(config):
         "markers", "all_backends: runs on every Keras backend (KERAS_BACKEND=jax runs only these)")
 
 
-# On PyTorch only pergrad.PerExample and direct aggregator calls are ported (docs/backends.md,
-# "PyTorch"). The marked tests of these modules test parts that are not ported and do not refuse
-# on PyTorch with an error of their own: they are skipped there, with the gap as the reason.
+# On PyTorch everything but pergrad.jacobian (and tf.distribute's fit_distributed) is ported
+# (docs/backends.md, "PyTorch"). The marked tests of these modules test parts that are not ported
+# and do not refuse on PyTorch with an error of their own: they are skipped there, with the gap
+# as the reason.
 _NOT_ON_TORCH = {
-    "test_stats.py": "pergrad.stats is not ported to the PyTorch backend (docs/backends.md)",
-    "test_label_errors.py": "pergrad.stats is not ported to the PyTorch backend "
-                            "(docs/backends.md)",
-    "test_monitor.py": "GradientMonitor is not ported to the PyTorch backend "
-                       "(docs/backends.md)",
     "test_jacobian.py": "pergrad.jacobian is not ported to the PyTorch backend "
                         "(docs/backends.md)",
-    "test_compat.py": "_compat.held_value serves PerExampleModel's fit, which is not ported to "
-                      "the PyTorch backend (docs/backends.md)",
 }
 # Where the PyTorch engine is tested: here a NotImplementedError is a failure like any other.
 _TORCH_PORTED = ("test_engine_oracle.py", "test_backends.py", "test_rules_", "test_losses.py",
-                 "test_aggregate_backends.py")
+                 "test_aggregate_backends.py", "test_stats.py")
 # The entry points documented as not ported to PyTorch: only their refusal becomes a skip.
-_NOT_PORTED_TO_TORCH = ("pergrad.keras.PerExampleModel", "pergrad.keras.GradientMonitor",
-                        "pergrad.keras.fit_distributed", "pergrad.jacobian", "pergrad.hessian",
-                        "pergrad.stats.")
+_NOT_PORTED_TO_TORCH = ("pergrad.keras.fit_distributed", "pergrad.jacobian", "pergrad.hessian")
 
 
 def pytest_collection_modifyitems(config, items):

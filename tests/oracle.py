@@ -128,7 +128,10 @@ def keras_loss(loss):
 
 
 def compiled_like_a_user(fn):
-    """``fn`` compiled as a user's own training loop would be: ``tf.function`` or ``jax.jit``."""
+    """``fn`` compiled as a user's own training loop would be: ``tf.function`` or ``jax.jit``
+    (on PyTorch, which pergrad runs eagerly, ``fn`` itself)."""
+    if keras.backend.backend() == "torch":
+        return fn
     if keras.backend.backend() == "jax":
         import jax
         return jax.jit(fn)

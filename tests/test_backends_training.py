@@ -198,3 +198,19 @@ def test_callback_lists_and_loss_scale_factor(float64, rng):
         updates.append(inner.get_weights())
     for a, b in zip(*updates, strict=True):
         np.testing.assert_allclose(a, b, rtol=1e-10, atol=1e-12)
+
+
+def test_torch_steps_run_eagerly(rng):
+    """On PyTorch the step reads values on the host (mixing check, noise keys, the monitor's
+    tables): jit_compile=True is refused with a warning and the step still trains."""
+    if keras.backend.backend() != "torch":
+        pytest.skip("PyTorch behaviour (torch.compile)")
+    x, y = _data(rng)
+    model = PerExampleModel(_mlp(), aggregate.dp_mean(1.0, 1.0, seed=0, expected_batch_size=4))
+    with pytest.warns(UserWarning, match="jit_compile=True .* is ignored"):
+        model.compile(optimizer=keras.optimizers.SGD(0.1), loss=MSE, jit_compile=True)
+    assert model.jit_compile is False
+    before = model.get_weights()
+    model.fit(x.astype("float32"), y.astype("float32"), batch_size=4, epochs=1, verbose=0)
+    assert model.noise_state.numpy().tolist()[1] == 2
+    assert not np.allclose(before[0], model.get_weights()[0])

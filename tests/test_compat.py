@@ -91,7 +91,7 @@ def test_backing_variable_graph_and_untracked_attributes():
 @pytest.mark.all_backends
 def test_held_value_and_autocast_scope():
     v = keras.Variable(np.arange(3, dtype="float32"))
-    np.testing.assert_array_equal(np.asarray(_compat.held_value(v)), [0, 1, 2])
+    np.testing.assert_array_equal(keras.ops.convert_to_numpy(_compat.held_value(v)), [0, 1, 2])
     mixed = L.Dense(2, dtype="mixed_float16")
     mixed.build((None, 3))
     with _compat.autocast_scope(mixed):

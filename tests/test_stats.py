@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 from oracle import assert_close, keras_loss, loop_gradients
 
 import pergrad
+from pergrad import backend
 from pergrad.rules import forms
 from pergrad.stats import BATCH_STATISTICS, batch_statistics, gradient_statistics, gram
 
@@ -126,8 +127,9 @@ def test_compiled_once(rng):
         x = rng.normal(size=(5, 6)).astype("float32")
         gradient_statistics(pex, x, case.y)
         gram(pex, x, case.y)
-    assert pex.trace_counts["statistics"] == 1
-    assert pex.trace_counts["gram"] == 1
+    traces = 0 if backend.is_torch() else 1  # PyTorch runs eagerly: nothing is traced, ever
+    assert pex.trace_counts["statistics"] == traces
+    assert pex.trace_counts["gram"] == traces
 
 
 def test_statistics_never_materialize_ruled_layers(monkeypatch, float64):
@@ -140,7 +142,7 @@ def test_statistics_never_materialize_ruled_layers(monkeypatch, float64):
         case = zoo.ALL[name]()
         stats = gradient_statistics(pergrad.PerExample(case.model, case.loss), case.x, case.y,
                                     per_layer=True)
-        assert np.all(np.isfinite(stats["norms"]))
+        assert np.all(np.isfinite(keras.ops.convert_to_numpy(stats["norms"])))
 
 
 def test_one_active_example_gives_nan_variance(float64):

@@ -53,13 +53,19 @@ def next_key(state) -> Any:
     ``state`` is a ``tf.Variable`` or Keras variable of shape ``(2,)`` and dtype ``int64``. The
     read happens before the increment (automatic control dependencies order them in a
     ``tf.function``; on JAX the read is a value and the increment a new value the train step
-    writes back), so consecutive calls return ``[s, c]``, ``[s, c + 1]``, ...
+    writes back; on PyTorch the read is a host copy), so consecutive calls return ``[s, c]``, ``[s, c + 1]``, ...
     """
     if backend.is_jax():
         require_64_bit_keys()
         key = ops.convert_to_tensor(state.value if isinstance(state, keras.Variable) else state)
         state.assign(key + ops.convert_to_tensor(np.array([0, 1], np.int64)))
         return key
+    if backend.is_torch():
+        # A host copy first: a torch variable is assigned in place, under any view of it.
+        key = np.array(ops.convert_to_numpy(state.value if isinstance(state, keras.Variable)
+                                            else state), np.int64)
+        state.assign(key + np.array([0, 1], np.int64))
+        return ops.convert_to_tensor(key)
     import tensorflow as tf
     key = tf.identity(tf.convert_to_tensor(state))
     with tf.control_dependencies([key]):

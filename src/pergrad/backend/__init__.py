@@ -11,10 +11,10 @@ from __future__ import annotations
 
 import keras
 
-# Where the backend-neutral core runs whole: the engine, the aggregators, PerExampleModel, stats.
+# Where everything runs, pergrad.jacobian included.
 SUPPORTED = ("tensorflow", "jax")
-# Where the engine runs: pergrad.PerExample, per_example_gradients/norms, direct aggregator
-# calls. On PyTorch only these are ported (docs/backends.md, "PyTorch").
+# Where the engine and what is built on it run: pergrad.PerExample, the aggregators,
+# PerExampleModel, the monitor, pergrad.stats (docs/backends.md, "PyTorch").
 ENGINE_SUPPORTED = ("tensorflow", "jax", "torch")
 
 
@@ -40,9 +40,8 @@ def require_supported(what: str = "pergrad", backends: tuple = SUPPORTED) -> str
     (``backends``: :data:`SUPPORTED` unless given, :data:`ENGINE_SUPPORTED` for the engine)."""
     backend = name()
     if backend not in backends:
-        on_torch = (" On PyTorch only pergrad.PerExample (gradients, norms, losses, dot, "
-                    "clipped_sum, check) and direct calls of the pergrad.aggregate aggregators "
-                    "are ported so far." if backend == "torch" else "")
+        on_torch = (" On PyTorch everything but pergrad.jacobian (and fit_distributed, which "
+                    "is tf.distribute's) is ported so far." if backend == "torch" else "")
         raise NotImplementedError(
             f"{what} runs on the Keras backends {', '.join(backends)}; this process runs "
             f"{backend!r}. Set KERAS_BACKEND=jax or KERAS_BACKEND=tensorflow before importing "
@@ -57,8 +56,8 @@ def require_tensorflow(what: str) -> None:
         raise NotImplementedError(
             f"{what} runs on the TensorFlow backend only in this release; this process runs "
             f"Keras on {name()!r}. On JAX, train on several devices or processes with "
-            "keras.distribution.DataParallel and PerExampleModel.fit (docs/distributed.md); on "
-            "PyTorch only pergrad.PerExample is ported. docs/backends.md says what works where.")
+            "keras.distribution.DataParallel and PerExampleModel.fit (docs/distributed.md). "
+            "docs/backends.md says what works where.")
 
 
 __all__ = ["ENGINE_SUPPORTED", "SUPPORTED", "is_jax", "is_tensorflow", "is_torch", "name",

@@ -2,9 +2,10 @@
 
 Keras's JAX trainer compiles ``train_step(state, data) -> (logs, state)``, a pure function of the
 variables' values. This step maps every variable (the model's, the optimizer's, the metrics') to
-its value in ``state`` with one ``keras.StatelessScope``, runs the same stateful steps as on
-TensorFlow (engine, aggregator, DP noise from the model's ``noise_state``, regularization,
-``optimizer.apply``, metrics) and returns every variable's value at the end as the new state.
+its value in ``state`` with one ``keras.StatelessScope``, runs the backend-neutral stateful step
+(:func:`pergrad.keras.step.stateful_step`: engine, aggregator, DP noise from the model's
+``noise_state``, regularization, metrics, ``optimizer.apply``) with this module's JAX parts,
+and returns every variable's value at the end as the new state.
 
 The first-batch example-mixing check cannot raise inside a compiled function, so it *gates*
 the step: the model's ``example_mixing_status`` weight goes from 0 (unchecked) to 1 (checked,
@@ -22,6 +23,7 @@ its counters and tables on the host (ordered ``io_callback``s, see
 
 from __future__ import annotations
 
+import sys
 from typing import Any
 
 import jax
@@ -29,13 +31,10 @@ import jax.numpy as jnp
 import keras
 from keras import ops
 
-from pergrad import aggregate
-from pergrad._compat import compiled_loss, loss_tracker
-from pergrad.aggregate import noise
-from pergrad.backend.ops import zero_rows
 from pergrad.engine import compute_dtype, mixing_tolerance
+from pergrad.keras import step
 
-UNCHECKED, CHECKED, REFUSED = 0, 1, 2
+UNCHECKED, CHECKED, REFUSED = step.UNCHECKED, step.CHECKED, step.REFUSED
 
 
 def _state_variables(model) -> list[list]:
@@ -49,7 +48,7 @@ def train_step(model, state, data) -> tuple[dict, tuple]:
     mapping = [(v, value) for variables, values in zip(groups, state, strict=True)
                for v, value in zip(variables, values, strict=True)]
     with keras.StatelessScope(state_mapping=mapping) as scope:
-        logs = _stateful_step(model, data)
+        logs = step.stateful_step(model, data, on=sys.modules[__name__])
         new_state = tuple([_current(scope, v) for v in variables] for variables in groups)
     status = model.mixing_status
     if status is None:
@@ -68,56 +67,7 @@ def _current(scope, variable) -> Any:
     return variable.value if value is None else value
 
 
-def _stateful_step(model, data) -> dict:
-    from pergrad.keras.model import _RecordingScope, _scaled_weights, _split_indices
-
-    x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
-    x, indices = _split_indices(x)
-    if isinstance(sample_weight, (dict, list, tuple)):
-        raise ValueError("PerExampleModel supports one sample weight per example, shape "
-                         "(batch,); got a structure of sample weights.")
-    engine = model.per_example()
-    if model._target_order is not None and isinstance(y, dict):
-        y = [y[name] for name in model._target_order]
-    _check_example_mixing(model, engine, x, y, sample_weight)
-    # JAX's fit keeps variable values only in the state: the recording scope reads them from it.
-    everything = list(model.variables)
-    scale = model._current_loss_scale()
-    with _RecordingScope([(v, v.value) for v in everything]) as recording:
-        # A loss scaled by S is the loss with every example's weight multiplied by S.
-        result = engine.compute(x, y, _scaled_weights(sample_weight, scale, x))
-    model._apply_state_updates(recording)
-    model._check_no_call_losses(recording)
-    variables = result.variables
-    if scale is not None:
-        result = result.scaled(1.0 / scale)  # unscaled gradients, float32 norms
-    # As on TensorFlow: under a DP aggregator an overflowing example is dropped like a NaN one;
-    # otherwise the overflow reaches the LossScaleOptimizer, which skips the step.
-    loss_scaled = scale is not None and not model.aggregator.noisy
-    batch = aggregate.Batch.of(result, sample_weight, loss_scaled=loss_scaled)
-    local = model.aggregator.local(result, batch)
-    key = noise.next_key(model.noise_state) if model.aggregator.noisy else None
-    grads = model.aggregator.finalize(local, key)
-    model._check_shapes(grads, variables)
-    regularization = _regularization_gradients(variables)
-    if regularization is not None:
-        grads = [g + ops.cast(r, g.dtype) for g, r in zip(grads, regularization, strict=True)]
-    logs = _report(model, x, y, result, sample_weight, local.dropped)
-    if model.monitor is not None:
-        # This step's learning rate (for TracIn), read before the update moves a schedule on.
-        logs = {**logs, **_monitor(model, result, indices, sample_weight, y,
-                                   ops.convert_to_tensor(model.optimizer.learning_rate))}
-    if scale is not None:  # the optimizer divides by the loss scale
-        grads = [g * ops.cast(scale, g.dtype) for g in grads]
-    _apply(model.optimizer, grads, variables, list(model.trainable_variables))
-    if model.aggregator.noisy and isinstance(model.optimizer, keras.optimizers.LossScaleOptimizer):
-        # As on TensorFlow: DP steps are never skipped, so the scale would only grow, on a
-        # schedule, until every example overflows: hold it at its initial value.
-        model.optimizer.step_counter.assign(0)
-    return logs
-
-
-def _apply(optimizer, grads: list, variables: list, trainable: list) -> None:
+def apply(optimizer, grads: list, variables: list, trainable: list) -> None:
     """``optimizer.apply(grads, variables)`` inside the step's stateless scope. A
     ``LossScaleOptimizer`` assigns variables inside its ``cond`` (skip or apply), which under
     ``jax.jit`` would leak tracers out of the branch: it goes through its public
@@ -136,7 +86,7 @@ def _apply(optimizer, grads: list, variables: list, trainable: list) -> None:
         variable.assign(value)
 
 
-def _monitor(model, result, indices, sample_weight, y, learning_rate) -> dict:
+def monitor(model, result, indices, sample_weight, y, learning_rate) -> dict:
     """The monitor's statistics of this step, computed from the raw per-example gradients (it
     draws no noise key and writes no state). On a step the mixing check refuses, the monitor
     is not run at all (its host-side counters and tables do not see the step): its outputs are
@@ -163,7 +113,7 @@ def _monitor(model, result, indices, sample_weight, y, learning_rate) -> dict:
     return jax.lax.cond(ops.convert_to_tensor(status.value) == REFUSED, refused, run)
 
 
-def _check_example_mixing(model, engine, x, y, sample_weight) -> None:
+def check_example_mixing(model, engine, x, y, sample_weight) -> None:
     """On the first batch (status 0), set the status to 1 or, if an example's loss depends on
     another example, to 2. One ``lax.cond``: later steps skip the check's forward passes."""
     status = model.mixing_status
@@ -182,7 +132,7 @@ def _check_example_mixing(model, engine, x, y, sample_weight) -> None:
     status.assign(jax.lax.cond(current == UNCHECKED, check, lambda: current))
 
 
-def _regularization_gradients(variables: list) -> list | None:
+def regularization_gradients(variables: list) -> list | None:
     regularized = [k for k, v in enumerate(variables)
                    if getattr(v, "regularizer", None) is not None]
     if not regularized:
@@ -200,41 +150,3 @@ def _regularization_gradients(variables: list) -> list | None:
     return out
 
 
-def _report(model, x, y, result, sample_weight, dropped) -> dict:
-    """Keras's loss and metrics, with rows of non-finite loss or predictions (dropped examples)
-    and rows of weight 0 (Poisson padding) given weight 0 and zeroed, so they count in no
-    metric (JAX needs static shapes, so rows are weighted out rather than removed)."""
-    batch = result.batch_size
-    keep = ops.logical_and(ops.isfinite(result.losses),
-                           _rows_finite(result.predictions, batch))
-    keep = ops.logical_and(keep, _rows_finite(y, batch))
-    y_pred = _zero_rows(result.predictions, keep)
-    y = _zero_rows(y, keep)
-    weight = ops.cast(keep, "float32")
-    if sample_weight is not None:
-        sw = ops.convert_to_tensor(sample_weight)
-        weight = ops.reshape(ops.cast(weight, sw.dtype), [-1] + [1] * (len(sw.shape) - 1))
-        weight = _zero_rows(sw, keep) * weight
-    loss = compiled_loss(model, x, y, y_pred, weight)
-    loss_tracker(model).update_state(loss, sample_weight=batch)
-    model.dropped_examples.update_state(dropped)
-    return model.compute_metrics(x, y, y_pred, sample_weight=weight)
-
-
-def _rows_finite(structure, batch) -> Any:
-    """``(B,)``: the rows whose every floating entry is finite."""
-    keep = ops.ones([batch], "bool")
-    for t in keras.tree.flatten(structure):
-        if t is None or not keras.backend.is_float_dtype(keras.backend.standardize_dtype(t.dtype)):
-            continue
-        flat = ops.reshape(t, [batch, -1])
-        keep = ops.logical_and(keep, ops.all(ops.isfinite(flat), axis=1))
-    return keep
-
-
-def _zero_rows(structure, keep) -> Any:
-    def zero(t):
-        if t is None or not keras.backend.is_float_dtype(keras.backend.standardize_dtype(t.dtype)):
-            return t
-        return zero_rows(t, keep)
-    return keras.tree.map_structure(zero, structure)

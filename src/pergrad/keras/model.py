@@ -29,10 +29,11 @@ from keras import ops
 from pergrad import aggregate
 from pergrad._compat import compiled_loss, held_value, loss_tracker
 from pergrad.aggregate import noise
-from pergrad.backend import is_tensorflow, require_supported
+from pergrad.backend import ENGINE_SUPPORTED, is_jax, is_tensorflow, is_torch, require_supported
 from pergrad.backend.lazy import tensorflow as tf
 from pergrad.engine import PerExample, compute_dtype, mixing_tolerance
 from pergrad.engine.losses import leaf_loss
+from pergrad.keras import step
 from pergrad.keras.faults import backups_first, lost_process_errors
 from pergrad.rules.normalization import MixesExamplesError
 from pergrad.stats.scores import loss_from_logits
@@ -193,7 +194,7 @@ class PerExampleModel(keras.Model):
     def __init__(self, model: keras.Model, aggregator: aggregate.Aggregator | dict | None = None,
                  monitor: Any = None, check_example_mixing: bool = True,
                  allow_state_updates: bool = False, **kwargs) -> None:
-        require_supported("pergrad.keras.PerExampleModel")
+        require_supported("pergrad.keras.PerExampleModel", ENGINE_SUPPORTED)
         super().__init__(**kwargs)
         if not isinstance(model, keras.layers.Layer):
             raise TypeError(f"model must be a Keras model, got {type(model).__name__}.")
@@ -210,7 +211,7 @@ class PerExampleModel(keras.Model):
         self._target_order = None
         self.noise_state = None
         if self.aggregator.noisy:
-            if not is_tensorflow():
+            if is_jax():
                 noise.require_64_bit_keys()
                 _require_shared_seed(self.aggregator)
             seed = self.aggregator.noise.claim(self, self.aggregator.name)
@@ -260,6 +261,12 @@ class PerExampleModel(keras.Model):
             loss, loss_weights, output_names, dict_outputs)
         self._from_logits = loss_from_logits(loss)
         self._per_example = None
+        if is_torch() and self.jit_compile:
+            # The step reads values on the host (the mixing check, noise keys, the monitor's
+            # tables), which torch.compile would split into many graphs.
+            warnings.warn("PerExampleModel runs its train step eagerly on PyTorch; "
+                          "jit_compile=True (torch.compile) is ignored.", stacklevel=2)
+            self.jit_compile = False
         if self.mixing_status is not None:
             self.mixing_status.assign(0)  # a new loss may mix examples: check it again
         if self._mixing_checked is not None:
@@ -281,6 +288,9 @@ class PerExampleModel(keras.Model):
 
     def fit(self, *args, **kwargs):
         args, kwargs = backups_first(self, args, kwargs)
+        if is_torch():  # eager: a refused first step raises MixesExamplesError itself
+            args, kwargs = self._with_monitor_callback(args, kwargs)
+            return super().fit(*args, **kwargs)
         if not is_tensorflow():
             return self._fit_jax(*args, **kwargs)
         if isinstance(self.distribute_strategy, tf.distribute.MultiWorkerMirroredStrategy) \
@@ -295,6 +305,8 @@ class PerExampleModel(keras.Model):
             return super().fit(*args, **kwargs)
 
     def train_on_batch(self, *args, **kwargs):
+        if is_torch():
+            return super().train_on_batch(*args, **kwargs)
         if not is_tensorflow():
             return_dict = kwargs.pop("return_dict", False)
             _require_one_process_for_monitor(self.monitor)
@@ -398,8 +410,12 @@ class PerExampleModel(keras.Model):
                 "per-example gradients; remove them or fold them into the per-example loss.")
 
     def train_step(self, *args):
-        """One step: ``train_step(data) -> logs`` on TensorFlow; on JAX Keras's functional
-        ``train_step(state, data) -> (logs, state)`` (:mod:`pergrad.keras.jax_step`)."""
+        """One step: ``train_step(data) -> logs`` on TensorFlow and PyTorch
+        (:mod:`pergrad.keras.torch_step`); on JAX Keras's functional ``train_step(state, data)
+        -> (logs, state)`` (:mod:`pergrad.keras.jax_step`)."""
+        if is_torch():
+            from pergrad.keras import torch_step
+            return torch_step.train_step(self, *args)
         if not is_tensorflow():
             from pergrad.keras import jax_step
             return jax_step.train_step(self, *args)
@@ -615,13 +631,7 @@ def _raise_if_refused(logs: dict) -> None:
     """Pop the JAX step's mixing status from ``logs``; raise if the step was refused."""
     status = logs.pop("example_mixing_status", None)
     if status is not None and int(status) == 2:
-        raise MixesExamplesError(
-            "The first training batch failed the example-mixing check: an example's loss "
-            "differs between being computed inside the batch and alone, so a layer or the loss "
-            "mixes examples (a mean over the batch axis, BatchNormalization in training mode, a "
-            "batch-dependent loss). Clipping and DP noise would not bound one example's "
-            "influence, and no step was applied. Remove the mixing, or pass "
-            "check_example_mixing=False to PerExampleModel if you have accounted for it.")
+        raise MixesExamplesError(step.REFUSED_MESSAGE)
 
 
 class _MixingRefusal(keras.callbacks.Callback):

@@ -11,7 +11,7 @@ import keras
 import numpy as np
 from keras import ops
 
-from pergrad.backend import is_tensorflow, require_supported
+from pergrad.backend import ENGINE_SUPPORTED, is_jax, is_tensorflow, require_supported
 from pergrad.engine import PerExampleResult
 from pergrad.keras.example_tables import ExampleTables, HostTables
 from pergrad.stats import (
@@ -71,7 +71,8 @@ class GradientMonitor(keras.callbacks.Callback):
     the step hands them (``O(B)`` numbers) to the host with an ordered
     ``jax.experimental.io_callback``, where the counters and tables live as NumPy arrays (a
     compiled JAX function can neither grow an array nor keep state outside the state it is
-    given): no tracer is kept, and the same steps give the same tables on both backends.
+    given): no tracer is kept, and the same steps give the same tables on both backends. On
+    PyTorch the step runs eagerly and updates the same host arrays directly.
 
     Per-example tracking (``track_examples=True``): for every training-example index it counts
     how often the example was in a monitored batch (``seen``), how often its gradient opposed the
@@ -99,7 +100,7 @@ class GradientMonitor(keras.callbacks.Callback):
                  csv_path: str | None = None, track_examples: bool = True,
                  num_examples: int | None = None, from_logits: bool | None = None) -> None:
         super().__init__()
-        require_supported("pergrad.keras.GradientMonitor")
+        require_supported("pergrad.keras.GradientMonitor", ENGINE_SUPPORTED)
         if int(every_n_steps) != every_n_steps or every_n_steps < 1:
             raise ValueError(f"every_n_steps must be a positive integer, got {every_n_steps}.")
         if num_examples is not None and (int(num_examples) != num_examples or num_examples < 1):
@@ -161,7 +162,7 @@ class GradientMonitor(keras.callbacks.Callback):
         if is_tensorflow():
             return self._compute_tensorflow(result, indices, sample_weight, learning_rate,
                                             classes)
-        return self._compute_jax(result, indices, sample_weight, learning_rate, classes)
+        return self._compute_on_host(result, indices, sample_weight, learning_rate, classes)
 
     def _compute_tensorflow(self, result, indices, sample_weight, learning_rate, classes):
         import tensorflow as tf
@@ -196,19 +197,28 @@ class GradientMonitor(keras.callbacks.Callback):
         dtype = result.norm_dtype
         return {k: tf.cast(values[i], dtype) for i, k in enumerate(LOGGED_STATISTICS)}
 
-    def _compute_jax(self, result, indices, sample_weight, learning_rate, classes):
-        import jax
-        from jax.experimental import io_callback
-
+    def _compute_on_host(self, result, indices, sample_weight, learning_rate, classes):
+        """JAX and PyTorch: the counters and tables are NumPy arrays on the host
+        (:class:`_HostState`). A compiled JAX step reaches them through ordered
+        ``io_callback``s; PyTorch runs eagerly and calls them directly."""
         dtype = result.norm_dtype
         batch = int(result.batch_size)
         host = self._host
-        spec = (jax.ShapeDtypeStruct((), "bool"),
-                jax.ShapeDtypeStruct((len(LOGGED_STATISTICS) + 1,), dtype))
-        # The host counts the step and says whether it is monitored (and what the last
-        # monitored step's values were); only then does the step compute anything.
-        monitored, last = io_callback(
-            lambda: host.begin(batch, self.every_n_steps, dtype), spec, ordered=True)
+        if is_jax():
+            import jax
+            from jax.experimental import io_callback
+
+            spec = (jax.ShapeDtypeStruct((), "bool"),
+                    jax.ShapeDtypeStruct((len(LOGGED_STATISTICS) + 1,), dtype))
+            # The host counts the step and says whether it is monitored (and what the last
+            # monitored step's values were); only then does the step compute anything.
+            monitored, last = io_callback(
+                lambda: host.begin(batch, self.every_n_steps, dtype), spec, ordered=True)
+        else:
+            monitored, last = host.begin(batch, self.every_n_steps, dtype)
+
+        def record(values: dict) -> None:
+            host.record(values, self.track_examples, self.num_examples)
 
         def run():
             stats, active, values = step_statistics(result, sample_weight)
@@ -222,12 +232,16 @@ class GradientMonitor(keras.callbacks.Callback):
                 if classes is not None:
                     payload.update({f"class_{k}": v for k, v in classes.items()})
             payload = {k: ops.convert_to_tensor(v) for k, v in payload.items()}
-            io_callback(lambda values: host.record(values, self.track_examples,
-                                                   self.num_examples),
-                        None, payload, ordered=True)
+            if is_jax():
+                io_callback(record, None, payload, ordered=True)
+            else:
+                record({k: ops.convert_to_numpy(v) for k, v in payload.items()})
             return values
 
-        values = ops.cond(monitored, run, lambda: last)
+        if is_jax():
+            values = ops.cond(monitored, run, lambda: last)
+        else:
+            values = run() if bool(monitored) else ops.convert_to_tensor(last)
         return {k: values[i] for i, k in enumerate(LOGGED_STATISTICS)}
 
     def _classification(self, result: PerExampleResult, labels: Any,
@@ -420,7 +434,7 @@ def step_statistics(result: PerExampleResult, sample_weight: Any) -> tuple[dict,
     of the active examples, in the result's norm dtype.
     """
     given = ops.cast(active_examples(sample_weight, result.batch_size), result.norm_dtype)
-    if is_tensorflow():
+    if not is_jax():  # a tf.cond, or on PyTorch a Python branch: one pass unless needed
         stats = statistics_from_result(result, given)
         keep = ops.logical_and(ops.isfinite(result.losses), ops.isfinite(stats["norms"]))
         weights = ops.where(keep, given, ops.zeros_like(given))
@@ -511,7 +525,7 @@ class _HostState:
 
 def _wait_for_host_updates() -> None:
     """On JAX, let every dispatched step's host callback finish before reading the host state."""
-    if not is_tensorflow():
+    if is_jax():
         import jax
         jax.effects_barrier()
 

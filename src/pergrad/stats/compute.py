@@ -6,7 +6,7 @@ from typing import Any
 
 from keras import ops
 
-from pergrad.backend import require_supported
+from pergrad.backend import ENGINE_SUPPORTED, require_supported
 from pergrad.backend.ops import add_n, divide_no_nan
 from pergrad.engine import PerExample, PerExampleResult
 from pergrad.stats.formulas import batch_statistics, consensus_statistics, cosine
@@ -122,7 +122,7 @@ def gradient_statistics(pex: PerExample, x: Any, y: Any = None, sample_weight: A
         stats["cosine_to_batch"]   # (B,)
         stats["noise_scale"]       # scalar
     """
-    require_supported("pergrad.stats.gradient_statistics")
+    require_supported("pergrad.stats.gradient_statistics", ENGINE_SUPPORTED)
     x, y, sample_weight = pex.prepare(x, y, sample_weight)
     name = "statistics_per_layer" if per_layer else "statistics"
 
@@ -136,6 +136,6 @@ def gram(pex: PerExample, x: Any, y: Any = None, sample_weight: Any = None) -> A
     """``K[i, j] = <g_i, g_j>``, ``(B, B)``, compiled; uses each form's Gram (the ghost trick
     ``sum_{t,s} (a_it . a_js)(d_it . d_js)`` for Dense/Conv kernels when cheaper than
     materializing)."""
-    require_supported("pergrad.stats.gram")
+    require_supported("pergrad.stats.gram", ENGINE_SUPPORTED)
     x, y, sample_weight = pex.prepare(x, y, sample_weight)
     return pex.compiled("gram", lambda x, y, w: pex.compute(x, y, w).gram())(x, y, sample_weight)

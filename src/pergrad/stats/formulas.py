@@ -80,6 +80,8 @@ def batch_statistics(squared_norms: Any, dots: Any, batch_sq_norm: Any,
         batch_sq_norm: ``||G||^2``, a scalar.
         active: ``(B,)`` booleans, the examples that count.
     """
+    squared_norms, dots, batch_sq_norm, active = (
+        ops.convert_to_tensor(t) for t in (squared_norms, dots, batch_sq_norm, active))
     dtype = squared_norms.dtype
     mask = ops.cast(active, dtype)
     n = ops.sum(mask)
@@ -124,6 +126,8 @@ def consensus_statistics(unit_dots: Any, norms: Any, unit_sq_norm: Any,
     with 10% flipped labels, ranking by mean ``cosine_to_rest`` found the flipped examples with a
     ROC AUC of 0.99, ranking by how often ``cosine_to_batch < 0`` with 0.2-0.35 (worse than chance).
     """
+    unit_dots, norms, unit_sq_norm, active = (
+        ops.convert_to_tensor(t) for t in (unit_dots, norms, unit_sq_norm, active))
     dtype = norms.dtype
     mask = ops.cast(active, dtype) * ops.cast(norms > 0, dtype)
     unit_self = divide_no_nan(unit_dots, norms)  # <u_i, U>

@@ -23,7 +23,7 @@ import keras
 import numpy as np
 from keras import ops
 
-from pergrad.backend import require_supported
+from pergrad.backend import ENGINE_SUPPORTED, require_supported
 from pergrad.backend.ops import wide_float
 from pergrad.engine import PerExample
 
@@ -69,7 +69,7 @@ def influence(model: keras.Model, loss: Any, checkpoints: list[Checkpoint], x_tr
 
     Gradients are taken in inference mode (``training=False``: no dropout).
     """
-    require_supported("pergrad.stats.influence")
+    require_supported("pergrad.stats.influence", ENGINE_SUPPORTED)
     if not checkpoints:
         raise ValueError("influence needs at least one checkpoint (train with "
                          "pergrad.keras.TracInCheckpoints among the callbacks).")

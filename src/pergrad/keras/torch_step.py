@@ -1,0 +1,91 @@
+"""``PerExampleModel``'s train step on the PyTorch backend.
+
+Keras's torch trainer calls ``train_step(data)`` eagerly and expects the variables to change in
+place, as on TensorFlow. The step is the backend-neutral
+:func:`pergrad.keras.step.stateful_step` with this module's PyTorch parts:
+
+* the first-batch example-mixing check reads its result on the host (everything is eager), and a
+  mixing model raises :class:`pergrad.MixesExamplesError` before the step changes anything: no
+  weight, optimizer slot, iteration count or noise counter moves. The model's
+  ``example_mixing_status`` weight remembers the outcome (0 unchecked, 1 checked, 2 refused), so
+  later steps skip the check, or are refused the same way until ``compile`` resets it;
+* regularization gradients are one ``torch.func.vjp`` of the summed penalties;
+* the monitor is called with the step's ``PerExampleResult``;
+* ``optimizer.apply`` runs under ``torch.no_grad()``, as in Keras's own torch step.
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Any
+
+import keras
+import torch
+from keras import ops
+
+from pergrad.backend.ops import vjp
+from pergrad.engine import compute_dtype, mixing_tolerance
+from pergrad.keras import step
+from pergrad.rules.normalization import MixesExamplesError
+
+UNCHECKED, CHECKED, REFUSED = step.UNCHECKED, step.CHECKED, step.REFUSED
+
+
+def train_step(model, data) -> dict:
+    """One ``PerExampleModel`` step, variables written in place (see the module doc)."""
+    return step.stateful_step(model, data, on=sys.modules[__name__])
+
+
+def check_example_mixing(model, engine, x, y, sample_weight) -> None:
+    """On the first batch, measure how much examples mix; raise if over the tolerance."""
+    status = model.mixing_status
+    if status is None:
+        return
+    current = int(ops.convert_to_numpy(status.value))
+    detail = ""
+    if current == UNCHECKED:
+        tolerance = mixing_tolerance(compute_dtype(model.model))
+        # The check's own forward passes write nothing: their writes stay in this scope.
+        with keras.StatelessScope(state_mapping=[(v, v.value) for v in model.variables]):
+            error = float(ops.convert_to_numpy(engine.example_mixing(x, y, sample_weight)))
+        current = CHECKED if error <= tolerance else REFUSED
+        status.assign(current)
+        detail = f" Relative difference: {error:.3g} (tolerance {tolerance:.1g})."
+    if current == REFUSED:
+        raise MixesExamplesError(step.REFUSED_MESSAGE + detail)
+
+
+def regularization_gradients(variables: list) -> list | None:
+    """``d/dw sum_k penalty_k(w_k)`` for every variable (zeros where there is no penalty)."""
+    regularized = [k for k, v in enumerate(variables)
+                   if getattr(v, "regularizer", None) is not None]
+    if not regularized:
+        return None
+
+    def total(chosen):
+        return sum(ops.cast(variables[k].regularizer(value), "float32")
+                   for k, value in zip(regularized, chosen, strict=True))
+
+    values = tuple(ops.convert_to_tensor(variables[k].value).detach() for k in regularized)
+    grads = vjp(total, values, torch.ones((), dtype=torch.float32))
+    out = [ops.zeros(v.shape, v.dtype) for v in variables]
+    for k, g in zip(regularized, grads, strict=True):
+        out[k] = g
+    return out
+
+
+def monitor(model, result, indices, sample_weight, y, learning_rate) -> dict:
+    """The monitor's statistics of this step, from the raw per-example gradients."""
+    from pergrad.keras.model import _accepted
+
+    extras = {"labels": y, "learning_rate": learning_rate, "from_logits": model._from_logits}
+    stats = model.monitor.compute(result, indices=indices, sample_weight=sample_weight,
+                                  **_accepted(model.monitor.compute, extras))
+    return dict(stats)
+
+
+def apply(optimizer, grads: list, variables: list, trainable: list) -> Any:
+    """``optimizer.apply(grads, variables)`` outside autograd."""
+    del trainable
+    with torch.no_grad():
+        optimizer.apply(grads, variables)
