@@ -107,3 +107,27 @@ def test_shared_layer_and_dropped_rows(float64):
     factors = np.where(np.arange(B) == 2, 0.0, np.minimum(1.0, clip / clean))
     for s, e in zip(summed, expected, strict=True):
         assert_close(s, np.tensordot(factors, e, axes=1), what="clipped sum without row 2")
+
+
+@pytest.mark.parametrize("name", ["1d_causal_dilated", "2d_same", "3d_same"])
+@pytest.mark.parametrize("chunk", [1, 3])
+def test_chunked_products_match_loop_oracle(name, chunk, float64, monkeypatch):
+    """On JAX the per-example products are computed over chunks of examples (``lax.map``):
+    chunks of one example, and of three for a batch of four (a remainder chunk after the
+    map). Elsewhere the same call takes the whole batch."""
+    from pergrad.rules import conv
+
+    monkeypatch.setattr(conv, "examples_per_chunk", lambda bytes_per_example: chunk)
+    model, layer, rule, x, y = _case(name)
+    assert_rule_matches_oracle(model, layer, rule, x, y)
+
+
+def test_map_in_chunks_keeps_rows_in_order():
+    from pergrad.backend.ops import map_in_chunks
+
+    a = np.arange(7 * 2, dtype="float32").reshape(7, 2)
+    b = np.arange(7, dtype="float32")[:, None]
+    for chunk in (1, 2, 3, 7, 10):
+        got = map_in_chunks(lambda p, q: p * q, (keras.ops.convert_to_tensor(a),
+                                                 keras.ops.convert_to_tensor(b)), chunk)
+        np.testing.assert_array_equal(keras.ops.convert_to_numpy(got), a * b)

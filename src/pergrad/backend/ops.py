@@ -96,6 +96,26 @@ def snapshot(t: Any) -> Any:
     return t
 
 
+def map_in_chunks(fn: Callable[..., Any], arrays: tuple, chunk: int) -> Any:
+    """``fn(*arrays)`` computed over consecutive chunks of ``chunk`` rows (the leading axis of
+    every array) and concatenated; ``fn`` must treat rows independently. On JAX one
+    ``lax.map`` over the chunks (a remainder chunk after it), so that a chunk's intermediates
+    stay in cache; elsewhere, or when one chunk holds every row, ``fn(*arrays)`` itself."""
+    batch = static_or_none(arrays[0].shape[0])
+    if not is_jax() or batch is None or chunk >= batch:
+        return fn(*arrays)
+    import jax
+
+    whole = batch // chunk * chunk
+    stacked = tuple(ops.reshape(a[:whole], [batch // chunk, chunk, *a.shape[1:]])
+                    for a in arrays)
+    out = jax.lax.map(lambda parts: fn(*parts), stacked)
+    out = ops.reshape(out, [whole, *out.shape[2:]])
+    if whole < batch:
+        out = ops.concatenate([out, fn(*(a[whole:] for a in arrays))], axis=0)
+    return out
+
+
 def static_or_none(dim: Any) -> int | None:
     """A static dimension as an int, ``None`` when it is dynamic (a tensor or ``None``)."""
     return dim if isinstance(dim, int) else None

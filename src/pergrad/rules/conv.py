@@ -14,14 +14,23 @@ so there is no ``Conv2DBackpropFilter`` to vectorize).
 from __future__ import annotations
 
 import itertools
+import math
 
 import keras
 from keras import ops
 
-from pergrad.backend import is_tensorflow
-from pergrad.backend.ops import batch_size, matmul_ta, rank, static_or_none, vjp, zero_rows
+from pergrad.backend import is_jax, is_tensorflow
+from pergrad.backend.ops import (
+    batch_size,
+    map_in_chunks,
+    matmul_ta,
+    rank,
+    static_or_none,
+    vjp,
+    zero_rows,
+)
 from pergrad.rules import LayerCall, plain_weights, register
-from pergrad.rules.cost import prefers_ghost, shifted_products_win
+from pergrad.rules.cost import examples_per_chunk, prefers_ghost, shifted_products_win
 from pergrad.rules.forms import Factored, Materialized, positions
 
 
@@ -168,13 +177,32 @@ def _shifted_products(layer, x, d):
 
     Slices of the padded input are read in place of patches, which are ``K`` times the input's
     size (the ResNet's 32x32x32 layer, batch 128: 21 ms against 50 ms on TensorFlow, 92 ms
-    against 190 ms on JAX). The patches' order of ``(K, c)`` is kept."""
+    against 190 ms on JAX). The patches' order of ``(K, c)`` is kept.
+
+    On JAX the examples go in chunks of about :data:`pergrad.rules.cost.CHUNK_BYTES` of
+    patches, and each chunk gathers its patches from the slices and multiplies once
+    (:func:`_chunk_patch_products`): 32 against 76-89 ms on the same ResNet layer."""
+    if is_jax():
+        kernel = math.prod(layer.kernel_size)
+        per_example = positions(d.shape[1:-1]) * kernel * x.shape[-1] * x.dtype.itemsize
+        return map_in_chunks(lambda xc, dc: _chunk_patch_products(layer, xc, dc), (x, d),
+                             examples_per_chunk(per_example))
     batch, c_in, c_out = batch_size(x), x.shape[-1], d.shape[-1]
     dd = ops.reshape(d, [batch, -1, c_out])
     products = [matmul_ta(dd, ops.reshape(part, [batch, -1, c_in]))  # each (B, O, C)
                 for _, part in _shifted_offsets(layer, x)]
     m = products[0][:, :, None] if len(products) == 1 else ops.stack(products, axis=2)
     return ops.reshape(m, [batch, 1, c_out, len(products) * c_in])
+
+
+def _chunk_patch_products(layer, x, d):
+    """:func:`_shifted_products` of a few examples: their patches (the shifted slices side by
+    side, ``(K, c)`` in kernel order) and one batched ``D^T P``."""
+    batch, c_in, c_out = batch_size(x), x.shape[-1], d.shape[-1]
+    parts = [ops.reshape(part, [batch, -1, c_in]) for _, part in _shifted_offsets(layer, x)]
+    patches = parts[0] if len(parts) == 1 else ops.concatenate(parts, axis=-1)
+    m = matmul_ta(ops.reshape(d, [batch, -1, c_out]), patches)  # (B, O, K C)
+    return ops.reshape(m, [batch, 1, c_out, len(parts) * c_in])
 
 
 def _shifted_offsets(layer, x):
