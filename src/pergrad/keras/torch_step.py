@@ -17,7 +17,6 @@ place, as on TensorFlow. The step is the backend-neutral
 from __future__ import annotations
 
 import sys
-from typing import Any
 
 import keras
 import torch
@@ -84,7 +83,7 @@ def monitor(model, result, indices, sample_weight, y, learning_rate) -> dict:
     return dict(stats)
 
 
-def apply(optimizer, grads: list, variables: list, trainable: list) -> Any:
+def apply(optimizer, grads: list, variables: list, trainable: list) -> None:
     """``optimizer.apply(grads, variables)`` outside autograd."""
     del trainable
     with torch.no_grad():
