@@ -33,11 +33,6 @@ class LazyModule(types.ModuleType):
     def __dir__(self) -> list[str]:
         return dir(self._load())
 
-    @property
-    def loaded(self) -> bool:
-        """Whether the module has been imported (by this stand-in or anywhere else)."""
-        return self._module is not None or self.__name__ in __import__("sys").modules
-
 
 tensorflow = LazyModule("tensorflow")
 

@@ -130,23 +130,3 @@ def check_example_mixing(model, engine, x, y, sample_weight) -> None:
 
     current = ops.convert_to_tensor(status.value)
     status.assign(jax.lax.cond(current == UNCHECKED, check, lambda: current))
-
-
-def regularization_gradients(variables: list) -> list | None:
-    regularized = [k for k, v in enumerate(variables)
-                   if getattr(v, "regularizer", None) is not None]
-    if not regularized:
-        return None
-    values = [v.value for v in variables]
-
-    def total(chosen):
-        return sum(ops.cast(variables[k].regularizer(value), "float32")
-                   for k, value in zip(regularized, chosen, strict=True))
-
-    grads = jax.grad(total)([values[k] for k in regularized])
-    out = [jnp.zeros(v.shape, v.dtype) for v in variables]
-    for k, g in zip(regularized, grads, strict=True):
-        out[k] = g
-    return out
-
-

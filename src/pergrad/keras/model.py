@@ -390,16 +390,6 @@ class PerExampleModel(keras.Model):
             return None
         return ops.cast(optimizer.scale_loss(ops.convert_to_tensor(1.0, "float32")), "float32")
 
-    def _regularization_gradients(self, variables: list) -> list | None:
-        regularized = [v for v in variables if getattr(v, "regularizer", None) is not None]
-        if not regularized:
-            return None
-        with tf.GradientTape() as tape:
-            total = tf.add_n([tf.cast(v.regularizer(v), tf.float32) for v in regularized])
-        grads = tape.gradient(total, [v.value for v in variables],
-                              unconnected_gradients=tf.UnconnectedGradients.ZERO)
-        return grads
-
     @staticmethod
     def _check_no_call_losses(scope) -> None:
         """Refuse losses added during the forward pass (collected by the stateless scope)."""
@@ -422,14 +412,8 @@ class PerExampleModel(keras.Model):
         return self._tensorflow_train_step(*args)
 
     def _tensorflow_train_step(self, data):
-        x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
-        x, indices = _split_indices(x)
-        if isinstance(sample_weight, (dict, list, tuple)):
-            raise ValueError("PerExampleModel supports one sample weight per example, shape "
-                             "(batch,); got a structure of sample weights.")
+        x, y, sample_weight, indices = step.unpack(self, data)
         engine = self.per_example()
-        if self._target_order is not None and isinstance(y, dict):
-            y = [y[name] for name in self._target_order]
         checks = self._check_example_mixing(engine, x, y, sample_weight)
         scale = self._current_loss_scale()
         with tf.control_dependencies(checks), _RecordingScope() as scope:
@@ -453,7 +437,7 @@ class PerExampleModel(keras.Model):
             key = noise.next_key(self.noise_state) if self.aggregator.noisy else None
         grads = self.aggregator.finalize(total, key)
         self._check_shapes(grads, variables)
-        regularization = self._regularization_gradients(variables)
+        regularization = step.regularization_gradients(variables)
         if regularization is not None:
             grads = [g + tf.cast(r, g.dtype) for g, r in zip(grads, regularization, strict=True)]
         replicas = tf.distribute.get_strategy().num_replicas_in_sync

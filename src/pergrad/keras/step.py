@@ -9,9 +9,9 @@ weights; the forward pass's variable writes applied or refused; the aggregator's
 and ``finalize`` with the next key of the model's noise stream; regularization gradients; the
 loss and metrics (rows of non-finite loss or predictions weighted out); the monitor; and
 ``optimizer.apply``. What differs per backend comes from ``on``, a module with
-``check_example_mixing(model, engine, x, y, sample_weight)``,
-``regularization_gradients(variables)``, ``monitor(model, result, indices, sample_weight, y,
-learning_rate)`` and ``apply(optimizer, grads, variables, trainable)``.
+``check_example_mixing(model, engine, x, y, sample_weight)``, ``monitor(model, result,
+indices, sample_weight, y, learning_rate)`` and ``apply(optimizer, grads, variables,
+trainable)``.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from keras import ops
 from pergrad import aggregate
 from pergrad._compat import compiled_loss, loss_tracker
 from pergrad.aggregate import noise
-from pergrad.backend.ops import zero_rows
+from pergrad.backend.ops import vjp, zero_rows
 
 #: ``PerExampleModel.mixing_status`` on JAX and PyTorch: the first-batch example-mixing check
 #: has not run, passed, or refused the step.
@@ -40,20 +40,51 @@ REFUSED_MESSAGE = (
     "accounted for it.")
 
 
-def stateful_step(model, data, on: ModuleType) -> dict:
-    """One step on ``data``, changing the variables in place; returns the logs."""
-    from pergrad.keras.model import _RecordingScope, _scaled_weights, _split_indices
+def unpack(model, data) -> tuple:
+    """``(x, y, sample_weight, indices)`` of one training batch, every backend: the example
+    indices split off ``x``, dict targets in the compiled loss's order, one sample weight per
+    example or a ``ValueError``."""
+    from pergrad.keras.model import _split_indices
 
     x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
     x, indices = _split_indices(x)
     if isinstance(sample_weight, (dict, list, tuple)):
         raise ValueError("PerExampleModel supports one sample weight per example, shape "
                          "(batch,); got a structure of sample weights.")
-    engine = model.per_example()
     if model._target_order is not None and isinstance(y, dict):
         y = [y[name] for name in model._target_order]
+    return x, y, sample_weight, indices
+
+
+def regularization_gradients(variables: list) -> list | None:
+    """``d/dw sum_k penalty_k(w_k)`` for every variable (zeros where there is no penalty), or
+    ``None`` when no variable has a regularizer; one VJP of the summed penalties."""
+    regularized = [k for k, v in enumerate(variables)
+                   if getattr(v, "regularizer", None) is not None]
+    if not regularized:
+        return None
+
+    def total(chosen):
+        return sum(ops.cast(variables[k].regularizer(value), "float32")
+                   for k, value in zip(regularized, chosen, strict=True))
+
+    values = tuple(ops.stop_gradient(ops.convert_to_tensor(variables[k].value))
+                   for k in regularized)
+    grads = vjp(total, values, ops.ones((), "float32"))
+    out = [ops.zeros(v.shape, v.dtype) for v in variables]
+    for k, g in zip(regularized, grads, strict=True):
+        out[k] = g
+    return out
+
+
+def stateful_step(model, data, on: ModuleType) -> dict:
+    """One step on ``data``, changing the variables in place; returns the logs."""
+    from pergrad.keras.model import _RecordingScope, _scaled_weights
+
+    x, y, sample_weight, indices = unpack(model, data)
+    engine = model.per_example()
     on.check_example_mixing(model, engine, x, y, sample_weight)
-    # JAX's fit keeps variable values only in the state: the recording scope reads them from it.
+    # Every variable read through the scope: on JAX the values of the step's state.
     everything = list(model.variables)
     scale = model._current_loss_scale()
     with _RecordingScope([(v, v.value) for v in everything]) as recording:
@@ -72,7 +103,7 @@ def stateful_step(model, data, on: ModuleType) -> dict:
     key = noise.next_key(model.noise_state) if model.aggregator.noisy else None
     grads = model.aggregator.finalize(local, key)
     model._check_shapes(grads, variables)
-    regularization = on.regularization_gradients(variables)
+    regularization = regularization_gradients(variables)
     if regularization is not None:
         grads = [g + ops.cast(r, g.dtype) for g, r in zip(grads, regularization, strict=True)]
     logs = report(model, x, y, result, sample_weight, local.dropped)

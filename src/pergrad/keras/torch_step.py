@@ -9,7 +9,6 @@ place, as on TensorFlow. The step is the backend-neutral
   weight, optimizer slot, iteration count or noise counter moves. The model's
   ``example_mixing_status`` weight remembers the outcome (0 unchecked, 1 checked, 2 refused), so
   later steps skip the check, or are refused the same way until ``compile`` resets it;
-* regularization gradients are one ``torch.func.vjp`` of the summed penalties;
 * the monitor is called with the step's ``PerExampleResult``;
 * ``optimizer.apply`` runs under ``torch.no_grad()``, as in Keras's own torch step.
 """
@@ -22,7 +21,6 @@ import keras
 import torch
 from keras import ops
 
-from pergrad.backend.ops import vjp
 from pergrad.engine import compute_dtype, mixing_tolerance
 from pergrad.keras import step
 from pergrad.rules.normalization import MixesExamplesError
@@ -52,25 +50,6 @@ def check_example_mixing(model, engine, x, y, sample_weight) -> None:
         detail = f" Relative difference: {error:.3g} (tolerance {tolerance:.1g})."
     if current == REFUSED:
         raise MixesExamplesError(step.REFUSED_MESSAGE + detail)
-
-
-def regularization_gradients(variables: list) -> list | None:
-    """``d/dw sum_k penalty_k(w_k)`` for every variable (zeros where there is no penalty)."""
-    regularized = [k for k, v in enumerate(variables)
-                   if getattr(v, "regularizer", None) is not None]
-    if not regularized:
-        return None
-
-    def total(chosen):
-        return sum(ops.cast(variables[k].regularizer(value), "float32")
-                   for k, value in zip(regularized, chosen, strict=True))
-
-    values = tuple(ops.convert_to_tensor(variables[k].value).detach() for k in regularized)
-    grads = vjp(total, values, torch.ones((), dtype=torch.float32))
-    out = [ops.zeros(v.shape, v.dtype) for v in variables]
-    for k, g in zip(regularized, grads, strict=True):
-        out[k] = g
-    return out
 
 
 def monitor(model, result, indices, sample_weight, y, learning_rate) -> dict:
