@@ -163,6 +163,43 @@ def test_regularization_losses_are_excluded(float64):
 
 
 @BOTH
+@pytest.mark.parametrize("norms_first", [True, False], ids=["after_norms", "alone"])
+@pytest.mark.parametrize("name", sorted(zoo.ALL))
+def test_several_sums_and_dots_in_one_pass_match_oracle(name, norms_first, float64):
+    """``weighted_sums`` and ``dots_many`` (what the monitor's statistics use): after the norms
+    the forms read the per-example matrices the norms built, alone they take one GEMM over the
+    layer's data; both against the loop oracle."""
+    case = zoo.ALL[name]()
+    expected, _ = _oracle(case)
+    rng = np.random.default_rng(3)
+    batch = len(expected[0])
+    coefficients = [rng.normal(size=batch), rng.uniform(size=batch)]
+    vector_sets = [[rng.normal(size=v.shape) for v in case.model.trainable_variables]
+                   for _ in range(3)]
+    pex = pergrad.PerExample(case.model, case.loss)
+    x, y, w = pex.prepare(case.x, case.y, case.sample_weight)
+
+    def body(x, y, w, coefficients, vector_sets):
+        result = pex.compute(x, y, w)
+        norms = result.norms() if norms_first else None
+        return (result.weighted_sums(coefficients), result.dots_many(vector_sets), norms)
+
+    cast = [keras.ops.convert_to_tensor(c, "float64") for c in coefficients]
+    vectors = [[keras.ops.convert_to_tensor(v) for v in vs] for vs in vector_sets]
+    sums, dots, _ = pex.compiled(f"many_{norms_first}", body)(x, y, w, cast, vectors)
+    flat = np.concatenate([e.reshape(batch, -1) for e in expected], axis=1)
+    for c, got in zip(coefficients, sums, strict=True):
+        want = [np.tensordot(c, e, axes=1) for e in expected]
+        scale = max(np.max(np.abs(e)) for e in want)
+        for g, e in zip(got, want, strict=True):
+            assert_close(g, e, atol=1e-6 * scale, what=f"{name}: weighted_sums")
+    for vs, got in zip(vector_sets, dots, strict=True):
+        want = flat @ np.concatenate([v.ravel() for v in vs])
+        total = sum(np.asarray(d, np.float64) for d in got)
+        assert_close(total, want, atol=1e-6 * np.max(np.abs(want)), what=f"{name}: dots_many")
+
+
+@BOTH
 @pytest.mark.parametrize("name", ["mlp", "conv2d_same_stride2", "embedding", "transformer",
                                   "lstm_gru", "shared_layer"])
 def test_gram_matches_oracle(name, float64):

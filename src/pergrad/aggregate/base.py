@@ -184,8 +184,9 @@ def linear_local(coefficients: Callable[[list, Batch], Any], needs_norms: bool):
         def fast():
             return [ops.copy(s) for s in sums], ops.zeros([], rows.dtype)
 
-        def slow():
-            partial = _linear_with_norms(result, batch, result.squared_norms(), rows)
+        def slow():  # rebuilt: only this branch, taken on a non-finite sum, needs norms
+            inner = result.rebuilt()
+            partial = _linear_with_norms(inner, batch, inner.squared_norms(), rows)
             return list(partial.values), partial.dropped
 
         values, dropped = ops.cond(finite, fast, slow)

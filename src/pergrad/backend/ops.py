@@ -123,7 +123,9 @@ def static_or_none(dim: Any) -> int | None:
 
 def zero_rows(t: Any, keep: Any) -> Any:
     """``t`` with the rows (first axis) where ``keep`` is false replaced by zeros (not
-    multiplied: NaN and inf rows become 0 too)."""
+    multiplied: NaN and inf rows become 0 too); ``t`` itself when ``keep`` is ``None``."""
+    if keep is None:
+        return t
     mask = ops.reshape(keep, [-1] + [1] * (rank(t) - 1))
     return ops.where(mask, t, ops.zeros_like(t))
 

@@ -1,11 +1,13 @@
-"""Benchmark: one ``PerExampleModel`` training step (``clip_mean``, ``dp_mean``) against a plain
-Keras training step of the same model; by default the CNN and the 2-block transformer at batch 256.
+"""Benchmark: one ``PerExampleModel`` training step (``mean``, ``clip_mean``, ``dp_mean``)
+against a plain Keras training step of the same model; by default the CNN and the 2-block
+transformer at batch 256.
 
 Every variant is compiled with SGD and sparse categorical cross-entropy (from logits) and timed
 with ``model.train_on_batch`` on the same tensors, after two warm-up calls (tracing). Variants
 are timed in interleaved rounds, in shuffled order, so that they share the machine's state; the
 table reports the median time per step, its ratio to the plain Keras step and, for ``dp_mean``,
-its ratio to the ``clip_mean`` step, all measured in the same run. ``clip_mean`` and ``dp_mean``
+its ratio to the ``clip_mean`` step, all measured in the same run. ``mean`` is the default
+aggregator: the batch gradient through the layer rules (no norms). ``clip_mean`` and ``dp_mean``
 run the same per-example clipping, so the second ratio is the DP step's own cost (drawing the
 Gaussian noise, its key, the division by the batch size). Nothing here asserts on timings.
 
@@ -36,6 +38,7 @@ from pergrad.keras import PerExampleModel
 DEFAULT_MODELS = ("cnn", "transformer")
 VARIANTS = {
     "keras": None,
+    "mean": lambda: aggregate.mean(),
     "clip_mean": lambda: aggregate.clip_mean(1.0),
     "dp_mean": lambda: aggregate.dp_mean(1.0, 1.1, seed=0),
 }

@@ -8,7 +8,7 @@ from typing import Any
 from keras import ops
 
 from pergrad.backend.ops import add_n, batch_size, dtype_of
-from pergrad.rules.forms import Form, Scaled
+from pergrad.rules.forms import Form, Scaled, dots_many, rebuilt, weighted_sums
 
 
 @dataclass
@@ -99,6 +99,29 @@ class PerExampleResult:
             for v, f, c in zip(self.variables, self.forms, coefficients, strict=True)
         ]
 
+    def weighted_sums(self, coefficients: list) -> list:
+        """``[self.weighted_sum(c) for c in coefficients]`` (each ``c`` of shape ``(B,)``), with
+        each form reading its data once for all of them (:meth:`Factored.weighted_sums`)."""
+        per_variable = [
+            [ops.zeros(v.shape, v.dtype)] * len(coefficients) if f is None
+            else [ops.cast(s, v.dtype) for s in weighted_sums(f, coefficients)]
+            for v, f in zip(self.variables, self.forms, strict=True)]
+        return [list(sums) for sums in zip(*per_variable, strict=True)]
+
+    def dots_many(self, vector_sets: list) -> list:
+        """``[self.dots(vectors) for vectors in vector_sets]``, with each form reading its data
+        once for all of them (:meth:`Factored.dots_many`)."""
+        dtype = self.norm_dtype
+        for vectors in vector_sets:
+            if len(vectors) != len(self.variables):
+                raise ValueError(f"Got {len(vectors)} vectors for {len(self.variables)} "
+                                 "trainable variables; pass one per variable.")
+        per_variable = [
+            [ops.zeros([self.batch_size], dtype)] * len(vector_sets) if f is None
+            else [ops.cast(d, dtype) for d in dots_many(f, [vs[k] for vs in vector_sets])]
+            for k, f in enumerate(self.forms)]
+        return [list(dots) for dots in zip(*per_variable, strict=True)]
+
     def kept_weighted_sum(self, coefficients: Any, keep: Any) -> list:
         """``sum_{i: keep_i} c_i g_i`` per variable, the rows of dropped examples zeroed before
         summing (:meth:`masked`), so a NaN row cannot leak through ``0 * NaN``.
@@ -118,6 +141,14 @@ class PerExampleResult:
         forms = [None if f is None else f.masked(keep) for f in self.forms]
         losses = ops.where(keep, self.losses, ops.zeros_like(self.losses))
         return PerExampleResult(self.variables, forms, losses, self.predictions)
+
+    def rebuilt(self) -> PerExampleResult:
+        """The same result with each form recomputed from its layer's recorded tensors
+        (:meth:`pergrad.rules.forms.Factored.rebuilt`): call it inside a conditional branch
+        (``ops.cond``), so that the branch reads only those tensors and a step that skips the
+        branch never computes what only the branch needs (a convolution's patches)."""
+        forms = [None if f is None else rebuilt(f) for f in self.forms]
+        return PerExampleResult(self.variables, forms, self.losses, self.predictions)
 
     def scaled(self, factor) -> PerExampleResult:
         """A view with every gradient and loss multiplied by ``factor`` (norms by ``|factor|``),

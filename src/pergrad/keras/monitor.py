@@ -178,8 +178,8 @@ class GradientMonitor(keras.callbacks.Callback):
         rate = tf.constant(1.0, tf.float64) if learning_rate is None \
             else tf.cast(learning_rate, tf.float64)
 
-        def monitored():
-            stats, active, values = step_statistics(result, sample_weight)
+        def monitored():  # rebuilt: skipped steps must not compute what only this reads
+            stats, active, values = step_statistics(result.rebuilt(), sample_weight)
             values = tf.cast(values, tf.float64)
             cosines = tf.cast(stats["cosine_to_batch"], tf.float64)
             updates = [self._last_stats.assign(values), self._last_step.assign(step),
@@ -220,8 +220,9 @@ class GradientMonitor(keras.callbacks.Callback):
         def record(values: dict) -> None:
             host.record(values, self.track_examples, self.num_examples)
 
-        def run():
-            stats, active, values = step_statistics(result, sample_weight)
+        def run():  # rebuilt: skipped steps must not compute what only this reads
+            stats, active, values = step_statistics(result.rebuilt() if is_jax() else result,
+                                                    sample_weight)
             payload = {"values": values, "norms": stats["norms"],
                        "cosine_to_batch": stats["cosine_to_batch"], "active": active}
             if self.track_examples:

@@ -28,7 +28,7 @@ from pergrad.rules import LayerCall, plain_weights, register
 from pergrad.rules.conv import (
     channels_last_input_and_grad,
     extract_patches,
-    pad_input,
+    native_padding,
 )
 from pergrad.rules.forms import Factored, Materialized, positions
 
@@ -83,7 +83,8 @@ def _per_example_filter_gradients(layer, kernel, x, d):
     """
     import tensorflow as tf
 
-    padded, _ = pad_input(x, layer.kernel_size, layer.strides, layer.dilation_rate, layer.padding)
+    padded, padding = native_padding(x, layer.kernel_size, layer.strides, layer.dilation_rate,
+                                     layer.padding)
     kernel_size, strides = tuple(layer.kernel_size), tuple(layer.strides)
     if len(kernel_size) == 1:  # as one row of a 2D image; the kernel wants equal strides
         padded, d = padded[:, None], d[:, None]
@@ -96,15 +97,16 @@ def _per_example_filter_gradients(layer, kernel, x, d):
 
     g = tf.compat.v1.nn.depthwise_conv2d_native_backprop_filter(
         fold(padded), tf.stack([*kernel_size, batch * c, m]), fold(d), [1, *strides, 1],
-        "VALID")
+        padding.upper())
     g = tf.reshape(g, [-1, batch, c, m])  # (K, B, C, M)
     return tf.transpose(g, [1, 2, 3, 0])
 
 
 def _filter_gradient(layer, kernel, x, d):
     """``sum_i P_i^T D_i`` by the backend's native depthwise filter-gradient kernel."""
-    padded, _ = pad_input(x, layer.kernel_size, layer.strides, layer.dilation_rate, layer.padding)
-    return vjp(lambda w: ops.depthwise_conv(padded, w, strides=layer.strides, padding="valid",
+    source, padding = native_padding(x, layer.kernel_size, layer.strides, layer.dilation_rate,
+                                     layer.padding)
+    return vjp(lambda w: ops.depthwise_conv(source, w, strides=layer.strides, padding=padding,
                                             dilation_rate=layer.dilation_rate,
                                             data_format="channels_last"),
                ops.zeros(kernel.shape, x.dtype), d)
@@ -130,9 +132,10 @@ def separable_rule(layer, call: LayerCall, grad) -> list:
     batch = batch_size(x)
     c, m = depthwise.shape[-2], depthwise.shape[-1]
     w_p = ops.reshape(ops.cast(pointwise, dtype), [c * m, layer.filters])  # (C*M, F)
-    padded, _ = pad_input(x, layer.kernel_size, layer.strides, layer.dilation_rate, layer.padding)
-    z = ops.depthwise_conv(padded, ops.cast(depthwise, dtype), strides=layer.strides,
-                           padding="valid", dilation_rate=layer.dilation_rate,
+    source, padding = native_padding(x, layer.kernel_size, layer.strides, layer.dilation_rate,
+                                     layer.padding)
+    z = ops.depthwise_conv(source, ops.cast(depthwise, dtype), strides=layer.strides,
+                           padding=padding, dilation_rate=layer.dilation_rate,
                            data_format="channels_last")  # (B, *out, C*M): the depthwise output
     z = ops.reshape(z, [batch, -1, 1, c * m])
     flat_d = ops.reshape(d, [batch, -1, layer.filters])

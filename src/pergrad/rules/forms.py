@@ -219,6 +219,49 @@ class Factored:
             m = ops.einsum("btgi,btgo->igo", self.a * c, self.d)
         return self._to_variable_layout(m, batched=False)
 
+    def weighted_sums(self, coefficients: list) -> list:
+        """``[sum_i c_i^(k) g_i for each coefficient vector c^(k)]`` in one pass over the data:
+        ``C M`` with ``C`` the ``(K, B)`` coefficients where the per-example matrices are built
+        (one read of them instead of ``K``), ``A^T [c^(1) D, ..., c^(K) D]`` (one GEMM) for one
+        group without them."""
+        m = self._built_matrices()
+        if m is not None:
+            c = ops.stack([ops.cast(ck, dtype_of(m)) for ck in coefficients])  # (K, B)
+            s = ops.tensordot(c, m, axes=1)  # (K, G, O, I)
+            return [self._to_variable_layout(ops.transpose(s[k], [2, 0, 1]), batched=False)
+                    for k in range(len(coefficients))]
+        i, g, o = self.a.shape[3], self.a.shape[2], self.d.shape[3]
+        if self.summed is not None or g != 1 or len(coefficients) == 1:
+            return [self.weighted_sum(ck) for ck in coefficients]
+        scaled = ops.concatenate(
+            [self.d * ops.cast(ck, dtype_of(self.d))[:, None, None, None] for ck in coefficients],
+            axis=-1)  # (B, T, 1, K O)
+        m = matmul_ta(ops.reshape(self.a, [-1, i]), ops.reshape(scaled, [-1, len(coefficients) * o]))
+        return [self._to_variable_layout(m[:, None, k * o:(k + 1) * o], batched=False)
+                for k in range(len(coefficients))]
+
+    def dots_many(self, vectors: list) -> list:
+        """``[<g_i, V_k> for each V_k]`` in one pass: ``M [V_1 ... V_K]`` (one GEMM over the
+        per-example matrices) where the norms materialize, ``A [V_1 ... V_K]`` (one GEMM, then
+        the products with ``D``) for one group without them."""
+        if len(vectors) == 1:
+            return [self.dots(vectors[0])]
+        vs = [self._from_variable_layout(ops.cast(v, dtype_of(self.a))) for v in vectors]  # (I, G, O)
+        batch = batch_size(self.a)
+        if self.a.shape[1] != 1 and self._materializing():
+            m = self._per_example_matrices()  # (B, G, O, I)
+            stacked = ops.stack([ops.reshape(ops.transpose(v, [1, 2, 0]), [-1]) for v in vs], 1)
+            out = ops.matmul(ops.reshape(m, [batch, -1]), stacked)  # (B, K)
+            return [out[:, k] for k in range(len(vectors))]
+        i, g, o = self.a.shape[3], self.a.shape[2], self.d.shape[3]
+        if g != 1:
+            return [self.dots(v) for v in vectors]
+        stacked = ops.concatenate([v[:, 0, :] for v in vs], axis=-1)  # (I, K O)
+        av = ops.matmul(ops.reshape(self.a, [-1, i]), stacked)  # (B T, K O)
+        av = ops.reshape(av, [batch, -1, len(vectors), o])
+        products = ops.sum(av * self.d[:, :, 0, None, :], axis=[1, 3])  # (B, K)
+        return [products[:, k] for k in range(len(vectors))]
+
     def gram(self) -> Tensor:
         """``K[i, j] = <g_i, g_j>``, ``(B, B)``: ghost ``sum_{t,s} (a_it . a_js)(d_it . d_js)``
         or the materialized ``M M^T``, whichever :mod:`pergrad.rules.cost` finds cheaper."""
@@ -252,6 +295,16 @@ class Factored:
                             lambda: plain.weighted_sum(coefficients))
 
         return Factored(self.variable, plain.a, plain.d, self.natural_shape, self.perm, summed)
+
+    def rebuilt(self) -> Factored:
+        """The same form rebuilt from the layer's input and output gradient (``remake`` with
+        every row kept), for use inside a conditional branch: the branch then captures only
+        those two tensors, not what the rule derived from them (patches). A graph computes a
+        branch's captured inputs before the branch, even on the steps that skip it, so a form
+        built outside and read only inside made every step compute the patches (the benchmark
+        CNN's ``mean()`` step: a one-hot convolution and an ``ExtractImagePatches`` that no
+        taken branch read)."""
+        return self if self.remake is None else self.remake(None)
 
     def merged_with(self, other: Factored) -> Factored:
         """Two calls of one layer: the sums over positions concatenate along ``T``."""
@@ -295,12 +348,27 @@ class Materialized:
         c = ops.cast(coefficients, dtype_of(self.value))
         return ops.tensordot(c, self.value, axes=1)
 
+    def weighted_sums(self, coefficients: list) -> list:
+        c = ops.stack([ops.cast(ck, dtype_of(self.value)) for ck in coefficients])  # (K, B)
+        sums = ops.tensordot(c, self.value, axes=1)
+        return [sums[k] for k in range(len(coefficients))]
+
+    def dots_many(self, vectors: list) -> list:
+        flat = ops.reshape(self.value, [batch_size(self.value), -1])
+        stacked = ops.stack([ops.reshape(ops.cast(v, dtype_of(self.value)), [-1])
+                             for v in vectors], 1)
+        out = ops.matmul(flat, stacked)  # (B, K)
+        return [out[:, k] for k in range(len(vectors))]
+
     def gram(self) -> Tensor:
         flat = ops.reshape(self.value, [batch_size(self.value), -1])
         return ops.matmul(flat, ops.transpose(flat))
 
     def masked(self, keep: Tensor) -> Materialized:
         return Materialized(self.variable, zero_rows(self.value, keep))
+
+    def rebuilt(self) -> Materialized:
+        return self
 
     def merged_with(self, other: Materialized) -> Materialized:
         return Materialized(self.variable, self.value + other.value)
@@ -398,6 +466,9 @@ class Rows:
     def masked(self, keep: Tensor) -> Rows:
         return Rows(self.variable, self.ids, zero_rows(self.d, keep))
 
+    def rebuilt(self) -> Rows:
+        return self
+
     def merged_with(self, other: Rows) -> Rows:
         return Rows(self.variable, ops.concatenate([self.ids, other.ids], 1),
                     ops.concatenate([self.d, other.d], 1))
@@ -431,6 +502,15 @@ class Scaled:
     def masked(self, keep: Tensor) -> Scaled:
         return Scaled(self.inner.masked(keep), self.factor)
 
+    def rebuilt(self) -> Scaled:
+        return Scaled(rebuilt(self.inner), self.factor)
+
+    def weighted_sums(self, coefficients: list) -> list:
+        return [self._times(s) for s in weighted_sums(self.inner, coefficients)]
+
+    def dots_many(self, vectors: list) -> list:
+        return [self._times(d) for d in dots_many(self.inner, vectors)]
+
     @property
     def signature(self) -> tuple:
         return ("scaled",)
@@ -455,6 +535,13 @@ class Form(Protocol):
     * ``gram() -> (B, B)``: ``<g_i, g_j>``;
     * ``masked(keep) -> Form``: the form with ``g_i = 0`` where ``keep[i]`` is false;
     * ``merged_with(other) -> Form``: the form of ``g_i + g'_i``.
+
+    Optional, each with a default (:func:`rebuilt`, :func:`weighted_sums`, :func:`dots_many`):
+
+    * ``rebuilt() -> Form``: the same gradients recomputed from the layer's recorded tensors,
+      for use inside a conditional branch (:meth:`Factored.rebuilt`); default: the form itself;
+    * ``weighted_sums([c_1, ...]) -> [W.shape, ...]`` and ``dots_many([V_1, ...]) -> [(B,), ...]``:
+      several sums or dot products in one pass over the data; default: one call per vector.
     """
 
     variable: Any
@@ -475,6 +562,29 @@ class Form(Protocol):
     def masked(self, keep: Tensor) -> Form: ...
 
     def merged_with(self, other: Form) -> Form: ...
+
+
+def rebuilt(form: Form) -> Form:
+    """``form.rebuilt()`` where the form has it, else ``form`` (the method is optional)."""
+    method = getattr(form, "rebuilt", None)
+    return form if method is None else method()
+
+
+def weighted_sums(form: Form, coefficients: list) -> list:
+    """``form.weighted_sums(coefficients)`` where the form has it, else one ``weighted_sum``
+    per coefficient vector."""
+    method = getattr(form, "weighted_sums", None)
+    if method is None:
+        return [form.weighted_sum(c) for c in coefficients]
+    return method(coefficients)
+
+
+def dots_many(form: Form, vectors: list) -> list:
+    """``form.dots_many(vectors)`` where the form has it, else one ``dots`` per vector."""
+    method = getattr(form, "dots_many", None)
+    if method is None:
+        return [form.dots(v) for v in vectors]
+    return method(vectors)
 
 
 def combine(forms: list[Form]) -> Form:

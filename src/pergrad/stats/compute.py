@@ -85,17 +85,19 @@ def statistics_from_result(result: PerExampleResult, sample_weight: Any = None,
     coefficients = mask / ops.maximum(ops.sum(mask), 1)
     # The norms first: a form whose norms build the per-example matrices sums from them.
     squared_norms_per_var = result.squared_norms()
-    mean_gradient = result.weighted_sum(coefficients)
+    squared_norms = add_n(squared_norms_per_var) * mask
+    norms = ops.sqrt(squared_norms)
+    # The mean gradient G and the consensus of the batch, one vote per example,
+    # U = sum_i g_i / ||g_i||: two weighted sums, then two dot products with every example,
+    # each pair in one pass over the per-example data.
+    mean_gradient, unit_sum = result.weighted_sums(
+        [coefficients, mask * divide_no_nan(ops.ones_like(norms), norms)])
     mean_sq = [ops.sum(ops.square(ops.cast(g, dtype))) for g in mean_gradient]
     batch_sq_norm = add_n(mean_sq)
-    dots_per_var = result.dots(mean_gradient)
-    squared_norms = add_n(squared_norms_per_var) * mask
+    dots_per_var, unit_dots_per_var = result.dots_many([mean_gradient, unit_sum])
     dots = add_n(dots_per_var) * mask
-    norms = ops.sqrt(squared_norms)
-    # The consensus of the batch, one vote per example: U = sum_i g_i / ||g_i||.
-    unit_sum = result.weighted_sum(mask * divide_no_nan(ops.ones_like(norms), norms))
     unit_sq_norm = add_n([ops.sum(ops.square(ops.cast(u, dtype))) for u in unit_sum])
-    unit_dots = add_n(result.dots(unit_sum)) * mask
+    unit_dots = add_n(unit_dots_per_var) * mask
     stats: dict[str, Any] = {
         "losses": result.losses,
         "norms": norms,

@@ -1,0 +1,116 @@
+"""What only a conditional branch reads is computed inside that branch.
+
+A graph computes a branch's captured inputs before the branch runs, even on the steps that skip
+it. The aggregators' NaN fallback and the monitor's ``every_n_steps`` branch read the per-example
+norms, which need a convolution's patches; an aggregator such as ``mean()`` never needs them
+otherwise. These tests look at the compiled TensorFlow graph: the patches must appear only in the
+branch functions, and (the control that shows the check can fail) at the top level of a step
+that does need them.
+"""
+
+from __future__ import annotations
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import pergrad
+from pergrad import backend
+
+pytestmark = pytest.mark.skipif(not backend.is_tensorflow(), reason="inspects a TensorFlow graph")
+
+L = keras.layers
+LOSS = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+# 3x3 x 16 input channels = 144 patch columns: the rule gathers them with ExtractImagePatches.
+PATCHES = "ExtractImagePatches"
+
+
+def _model() -> keras.Model:
+    return keras.Sequential([keras.Input((8, 8, 16)),
+                             L.Conv2D(4, 3, strides=2, padding="same", activation="relu"),
+                             L.Flatten(), L.Dense(3)])
+
+
+def _data():
+    rng = np.random.default_rng(0)
+    return (tf.constant(rng.normal(size=(6, 8, 8, 16)).astype("float32")),
+            tf.constant(rng.integers(0, 3, 6)))
+
+
+def _top_level_ops(fn, *args) -> set[str]:
+    """The types of the ops the function's outputs depend on, outside any branch function: what
+    runs at every call (TensorFlow prunes the ops nothing depends on)."""
+    graph = fn.get_concrete_function(*args).graph
+    pending = [t.op for t in graph.outputs] + list(graph.control_outputs)
+    seen: set = set()
+    while pending:
+        op = pending.pop()
+        if op in seen:
+            continue
+        seen.add(op)
+        pending.extend(t.op for t in op.inputs)
+        pending.extend(op.control_inputs)
+    return {op.type for op in seen}
+
+
+def _library_ops(fn, *args) -> set[str]:
+    library = fn.get_concrete_function(*args).graph.as_graph_def().library
+    return {node.op for function in library.function for node in function.node_def}
+
+
+def test_mean_computes_patches_only_in_its_nan_branch():
+    pex = pergrad.PerExample(_model(), LOSS)
+    mean = pergrad.aggregate.mean()
+
+    @tf.function(autograph=False)
+    def step(x, y):
+        return mean(pex.compute(x, y))
+
+    x, y = _data()
+    assert PATCHES not in _top_level_ops(step, x, y)
+    assert PATCHES in _library_ops(step, x, y)  # the non-finite fallback's norms
+
+
+def test_clip_mean_computes_patches_at_the_top_level():
+    """The control: a step that needs the norms at every call does build the patches there."""
+    pex = pergrad.PerExample(_model(), LOSS)
+    clip = pergrad.aggregate.clip_mean(1.0)
+
+    @tf.function(autograph=False)
+    def step(x, y):
+        return clip(pex.compute(x, y))
+
+    x, y = _data()
+    assert PATCHES in _top_level_ops(step, x, y)
+
+
+def test_mean_with_nan_branch_still_matches_the_oracle():
+    """The rebuilt forms in the fallback give the same update as the plain sum (a NaN example
+    is dropped, the others averaged over every row)."""
+    model = _model()
+    pex = pergrad.PerExample(model, LOSS)
+    x, y = _data()
+    poisoned = tf.tensor_scatter_nd_update(x, [[2, 0, 0, 0]], [np.nan])
+    update = [np.asarray(u) for u in tf.function(
+        lambda x, y: pergrad.aggregate.mean()(pex.compute(x, y)), autograph=False)(poisoned, y)]
+    keep = np.array([i != 2 for i in range(6)])
+    grads = [np.asarray(g, np.float64) for g in pex.gradients(x, y)]
+    for u, g in zip(update, grads, strict=True):
+        np.testing.assert_allclose(u, g[keep].sum(0) / 6, rtol=1e-5, atol=1e-6)
+
+
+def test_monitor_every_n_steps_computes_patches_only_when_monitoring():
+    """``GradientMonitor.compute`` inside a step: its statistics sit in the ``every_n_steps``
+    branch, so a skipped step computes no patches."""
+    model = _model()
+    monitor = pergrad.keras.GradientMonitor(every_n_steps=10, track_examples=False)
+    pex = pergrad.PerExample(model, LOSS)
+    x, y = _data()
+
+    @tf.function(autograph=False)
+    def step(x, y):
+        return monitor.compute(pex.compute(x, y))
+
+    assert PATCHES not in _top_level_ops(step, x, y)
+    assert PATCHES in _library_ops(step, x, y)
