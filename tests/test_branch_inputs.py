@@ -14,6 +14,7 @@ import keras
 import numpy as np
 import pytest
 import tensorflow as tf
+from oracle import assert_close, keras_loss, loop_gradients
 
 import pergrad
 from pergrad import backend
@@ -26,10 +27,21 @@ LOSS = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
 PATCHES = "ExtractImagePatches"
 
 
-def _model() -> keras.Model:
+def _conv() -> keras.Model:
     return keras.Sequential([keras.Input((8, 8, 16)),
                              L.Conv2D(4, 3, strides=2, padding="same", activation="relu"),
                              L.Flatten(), L.Dense(3)])
+
+
+def _conv_transpose() -> keras.Model:
+    # 3x3 x 16 filters = 144 columns of output-gradient patches: ExtractImagePatches again.
+    return keras.Sequential([keras.Input((8, 8, 16)),
+                             L.Conv2DTranspose(16, 3, strides=2, padding="same",
+                                               activation="relu"),
+                             L.Flatten(), L.Dense(3)])
+
+
+MODELS = {"conv2d": _conv, "conv2d_transpose": _conv_transpose}
 
 
 def _data():
@@ -59,8 +71,9 @@ def _library_ops(fn, *args) -> set[str]:
     return {node.op for function in library.function for node in function.node_def}
 
 
-def test_mean_computes_patches_only_in_its_nan_branch():
-    pex = pergrad.PerExample(_model(), LOSS)
+@pytest.mark.parametrize("name", sorted(MODELS))
+def test_mean_computes_patches_only_in_its_nan_branch(name):
+    pex = pergrad.PerExample(MODELS[name](), LOSS)
     mean = pergrad.aggregate.mean()
 
     @tf.function(autograph=False)
@@ -72,9 +85,10 @@ def test_mean_computes_patches_only_in_its_nan_branch():
     assert PATCHES in _library_ops(step, x, y)  # the non-finite fallback's norms
 
 
-def test_clip_mean_computes_patches_at_the_top_level():
+@pytest.mark.parametrize("name", sorted(MODELS))
+def test_clip_mean_computes_patches_at_the_top_level(name):
     """The control: a step that needs the norms at every call does build the patches there."""
-    pex = pergrad.PerExample(_model(), LOSS)
+    pex = pergrad.PerExample(MODELS[name](), LOSS)
     clip = pergrad.aggregate.clip_mean(1.0)
 
     @tf.function(autograph=False)
@@ -85,25 +99,28 @@ def test_clip_mean_computes_patches_at_the_top_level():
     assert PATCHES in _top_level_ops(step, x, y)
 
 
-def test_mean_with_nan_branch_still_matches_the_oracle():
-    """The rebuilt forms in the fallback give the same update as the plain sum (a NaN example
-    is dropped, the others averaged over every row)."""
-    model = _model()
+@pytest.mark.parametrize("name", sorted(MODELS))
+def test_mean_with_nan_branch_still_matches_the_oracle(name, float64):
+    """The rebuilt forms in the fallback give the loop oracle's update: a NaN example is
+    dropped, the others averaged over every row."""
+    model = MODELS[name]()
     pex = pergrad.PerExample(model, LOSS)
     x, y = _data()
-    poisoned = tf.tensor_scatter_nd_update(x, [[2, 0, 0, 0]], [np.nan])
-    update = [np.asarray(u) for u in tf.function(
-        lambda x, y: pergrad.aggregate.mean()(pex.compute(x, y)), autograph=False)(poisoned, y)]
-    keep = np.array([i != 2 for i in range(6)])
-    grads = [np.asarray(g, np.float64) for g in pex.gradients(x, y)]
-    for u, g in zip(update, grads, strict=True):
-        np.testing.assert_allclose(u, g[keep].sum(0) / 6, rtol=1e-5, atol=1e-6)
+    x = tf.cast(x, "float64")
+    poisoned = tf.tensor_scatter_nd_update(x, [[2, 0, 0, 0]], tf.constant([np.nan], "float64"))
+    update = tf.function(lambda x, y: pergrad.aggregate.mean()(pex.compute(x, y)),
+                         autograph=False)(poisoned, y)
+    expected, _ = loop_gradients(model, keras_loss(LOSS), x.numpy(), y.numpy())
+    keep = np.arange(6) != 2
+    for u, e in zip(update, expected, strict=True):
+        want = e[keep].sum(0) / 6
+        assert_close(u, want, atol=1e-6 * np.max(np.abs(want)))
 
 
 def test_monitor_every_n_steps_computes_patches_only_when_monitoring():
     """``GradientMonitor.compute`` inside a step: its statistics sit in the ``every_n_steps``
     branch, so a skipped step computes no patches."""
-    model = _model()
+    model = _conv()
     monitor = pergrad.keras.GradientMonitor(every_n_steps=10, track_examples=False)
     pex = pergrad.PerExample(model, LOSS)
     x, y = _data()

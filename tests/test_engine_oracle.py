@@ -163,12 +163,13 @@ def test_regularization_losses_are_excluded(float64):
 
 
 @BOTH
-@pytest.mark.parametrize("norms_first", [True, False], ids=["after_norms", "alone"])
+@pytest.mark.parametrize("mode", ["after_norms", "alone", "rebuilt"])
 @pytest.mark.parametrize("name", sorted(zoo.ALL))
-def test_several_sums_and_dots_in_one_pass_match_oracle(name, norms_first, float64):
-    """``weighted_sums`` and ``dots_many`` (what the monitor's statistics use): after the norms
-    the forms read the per-example matrices the norms built, alone they take one GEMM over the
-    layer's data; both against the loop oracle."""
+def test_several_sums_and_dots_in_one_pass_match_oracle(name, mode, float64):
+    """``weighted_sums`` and ``dots_many`` (what the monitor's statistics use) against the loop
+    oracle: after the norms the forms read the per-example matrices the norms built, alone they
+    take one GEMM over the layer's data, and ``rebuilt`` first rebuilds every form from its
+    layer's recorded tensors (what a conditional branch reads), then takes the norms too."""
     case = zoo.ALL[name]()
     expected, _ = _oracle(case)
     rng = np.random.default_rng(3)
@@ -181,22 +182,37 @@ def test_several_sums_and_dots_in_one_pass_match_oracle(name, norms_first, float
 
     def body(x, y, w, coefficients, vector_sets):
         result = pex.compute(x, y, w)
-        norms = result.norms() if norms_first else None
+        if mode == "rebuilt":
+            result = result.rebuilt()
+        norms = result.norms() if mode != "alone" else None
         return (result.weighted_sums(coefficients), result.dots_many(vector_sets), norms)
 
     cast = [keras.ops.convert_to_tensor(c, "float64") for c in coefficients]
     vectors = [[keras.ops.convert_to_tensor(v) for v in vs] for vs in vector_sets]
-    sums, dots, _ = pex.compiled(f"many_{norms_first}", body)(x, y, w, cast, vectors)
-    flat = np.concatenate([e.reshape(batch, -1) for e in expected], axis=1)
+    sums, dots, norms = pex.compiled(f"many_{mode}", body)(x, y, w, cast, vectors)
     for c, got in zip(coefficients, sums, strict=True):
         want = [np.tensordot(c, e, axes=1) for e in expected]
         scale = max(np.max(np.abs(e)) for e in want)
         for g, e in zip(got, want, strict=True):
             assert_close(g, e, atol=1e-6 * scale, what=f"{name}: weighted_sums")
     for vs, got in zip(vector_sets, dots, strict=True):
-        want = flat @ np.concatenate([v.ravel() for v in vs])
-        total = sum(np.asarray(d, np.float64) for d in got)
-        assert_close(total, want, atol=1e-6 * np.max(np.abs(want)), what=f"{name}: dots_many")
+        want = [e.reshape(batch, -1) @ v.ravel() for e, v in zip(expected, vs, strict=True)]
+        scale = max(np.max(np.abs(d)) for d in want)
+        for g, e, v in zip(got, want, case.model.trainable_variables, strict=True):
+            assert_close(g, e, atol=1e-6 * scale, what=f"{name}: dots_many {v.path}")
+    if norms is not None:
+        flat = np.concatenate([e.reshape(batch, -1) for e in expected], axis=1)
+        assert_close(norms, np.linalg.norm(flat, axis=1), what=f"{name}: norms ({mode})")
+
+
+def test_dots_many_checks_each_vector_shape(float64):
+    case = zoo.ALL["mlp"]()
+    pex = pergrad.PerExample(case.model, case.loss)
+    kernel = case.model.trainable_variables[0]
+    vectors = [np.zeros(v.shape) for v in case.model.trainable_variables]
+    vectors[0] = np.zeros(tuple(reversed(kernel.shape)))  # same entries, transposed
+    with pytest.raises(ValueError, match="has shape"):
+        pex.compute(case.x, case.y).dots_many([vectors])
 
 
 @BOTH

@@ -62,18 +62,21 @@ class PerExampleResult:
     def dots(self, vectors: list) -> list:
         """Per variable, ``<g_i[var], v[var]>`` of shape ``(B,)``."""
         dtype = self.norm_dtype
+        self._check_vectors(vectors)
+        return [ops.zeros([self.batch_size], dtype) if f is None else ops.cast(f.dots(vec), dtype)
+                for f, vec in zip(self.forms, vectors, strict=True)]
+
+    def _check_vectors(self, vectors: list) -> None:
+        """One vector per variable, each of its variable's shape (a transposed vector with the
+        right number of entries would otherwise give wrong numbers without an error)."""
         if len(vectors) != len(self.variables):
             raise ValueError(f"Got {len(vectors)} vectors for {len(self.variables)} trainable "
                              "variables; pass one per variable, aligned with "
                              "model.trainable_variables.")
-        out = []
-        for v, f, vec in zip(self.variables, self.forms, vectors, strict=True):
+        for v, vec in zip(self.variables, vectors, strict=True):
             if tuple(vec.shape) != tuple(v.shape):
                 raise ValueError(f"Vector for variable {v.path!r} has shape {tuple(vec.shape)}, "
                                  f"expected {tuple(v.shape)}.")
-            out.append(ops.zeros([self.batch_size], dtype) if f is None
-                       else ops.cast(f.dots(vec), dtype))
-        return out
 
     def dot(self, vectors: list) -> Any:
         """``<g_i, v>`` summed over all variables, ``(B,)``."""
@@ -113,9 +116,7 @@ class PerExampleResult:
         once for all of them (:meth:`Factored.dots_many`)."""
         dtype = self.norm_dtype
         for vectors in vector_sets:
-            if len(vectors) != len(self.variables):
-                raise ValueError(f"Got {len(vectors)} vectors for {len(self.variables)} "
-                                 "trainable variables; pass one per variable.")
+            self._check_vectors(vectors)
         per_variable = [
             [ops.zeros([self.batch_size], dtype)] * len(vector_sets) if f is None
             else [ops.cast(d, dtype) for d in dots_many(f, [vs[k] for vs in vector_sets])]

@@ -113,7 +113,7 @@ def _image_patches(x, kernel_size, strides, dilation, padding: str = "valid"):
     else:
         one_hot = ops.reshape(ops.eye(width, dtype=x.dtype), [*kernel_size, channels, width])
         patches = ops.conv(x, one_hot, strides=list(strides), padding=padding,
-                           dilation_rate=list(dilation))
+                           data_format="channels_last", dilation_rate=list(dilation))
     shape = ops.shape(patches)
     patches = ops.reshape(patches, [batch_size(x), shape[1], shape[2],
                                     kernel_size[0] * kernel_size[1], channels])
@@ -246,6 +246,7 @@ def _filter_gradient(layer, x, d):
                                      layer.padding)
     kernel = ops.zeros(layer.kernel.shape, x.dtype)
     return vjp(lambda w: ops.conv(source, w, strides=list(layer.strides), padding=padding,
+                                  data_format="channels_last",
                                   dilation_rate=list(layer.dilation_rate)), kernel, d)
 
 

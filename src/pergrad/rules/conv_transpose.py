@@ -22,7 +22,7 @@ import keras
 from keras import ops
 
 from pergrad.backend import is_tensorflow
-from pergrad.backend.ops import batch_size, rank, vjp
+from pergrad.backend.ops import batch_size, rank, vjp, zero_rows
 from pergrad.rules import LayerCall, plain_weights, register
 from pergrad.rules.conv import channels_last_input_and_grad, extract_patches
 from pergrad.rules.forms import Factored, Materialized, positions
@@ -31,6 +31,18 @@ from pergrad.rules.forms import Factored, Materialized, positions
 def conv_transpose_rule(layer, call: LayerCall, grad) -> list:
     dtype = layer.kernel.dtype
     x, d = channels_last_input_and_grad(layer, call, grad, dtype)
+    forms = [_kernel_form(layer, x, d)]
+    if layer.use_bias:
+        forms.append(Materialized(layer.bias,
+                                  ops.sum(ops.reshape(d, [batch_size(x), -1, layer.filters]), 1)))
+    return forms
+
+
+def _kernel_form(layer, x, d) -> Factored:
+    """The kernel's form from the channels-last input ``x`` and output gradient ``d``; its
+    ``remake`` rebuilds the patches of ``d`` from the (masked) inputs, so a conditional branch
+    that reads the form captures ``x`` and ``d`` only (:meth:`Factored.rebuilt`)."""
+    dtype = layer.kernel.dtype
     c_in, filters = x.shape[-1], layer.filters
     # (B, *x_spatial, K, filters): the output-gradient patch each input position sees.
     patches = extract_patches(d, layer.kernel_size, layer.strides, layer.dilation_rate,
@@ -46,12 +58,12 @@ def conv_transpose_rule(layer, call: LayerCall, grad) -> list:
         weights = ops.cast(coefficients, dtype)[(slice(None),) + (None,) * (rank(d) - 1)]
         return _filter_gradient(layer, x, d * weights)
 
+    def remake(keep):
+        return _kernel_form(layer, zero_rows(x, keep), zero_rows(d, keep))
+
     # As for Conv: on JAX the GEMM over patches, not XLA's filter gradient.
-    forms = [Factored(layer.kernel, a, xx, natural, summed=summed if is_tensorflow() else None)]
-    if layer.use_bias:
-        forms.append(Materialized(layer.bias,
-                                  ops.sum(ops.reshape(d, [batch, -1, filters]), 1)))
-    return forms
+    return Factored(layer.kernel, a, xx, natural, summed=summed if is_tensorflow() else None,
+                    remake=remake)
 
 
 def _filter_gradient(layer, x, d):

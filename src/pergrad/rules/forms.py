@@ -65,7 +65,9 @@ class Factored:
     form from the layer's inputs with the rows of examples where ``keep`` is false zeroed
     (``remake(keep)``); :meth:`masked` then uses it, so a masked form computed inside a
     conditional reads only the layer's input and output gradient, not tensors (patches) that
-    the plain routes never build.
+    the plain routes never build. ``remake(None)`` must work too and give the unmasked form:
+    :meth:`rebuilt` calls it inside conditional branches, which are traced (so called) at every
+    compilation.
     """
 
     variable: object
@@ -536,7 +538,9 @@ class Form(Protocol):
     * ``masked(keep) -> Form``: the form with ``g_i = 0`` where ``keep[i]`` is false;
     * ``merged_with(other) -> Form``: the form of ``g_i + g'_i``.
 
-    Optional, each with a default (:func:`rebuilt`, :func:`weighted_sums`, :func:`dots_many`):
+    Optional, each with a default (:func:`rebuilt`, :func:`weighted_sums`, :func:`dots_many`;
+    a subclass of a built-in form that overrides ``weighted_sum`` or ``dots`` must override
+    these too, or it inherits the parent's one-pass versions):
 
     * ``rebuilt() -> Form``: the same gradients recomputed from the layer's recorded tensors,
       for use inside a conditional branch (:meth:`Factored.rebuilt`); default: the form itself;
@@ -623,5 +627,5 @@ def unbroadcast(grad: Tensor, shape: tuple[int, ...]) -> Tensor:
     return ops.reshape(grad, [batch_size(grad), *shape])
 
 
-__all__ = ["Factored", "Form", "Materialized", "Rows", "Scaled", "add_n", "combine",
-           "positions", "unbroadcast", "zero_rows"]
+__all__ = ["Factored", "Form", "Materialized", "Rows", "Scaled", "add_n", "combine", "dots_many",
+           "positions", "rebuilt", "unbroadcast", "weighted_sums", "zero_rows"]
