@@ -205,6 +205,31 @@ def test_several_sums_and_dots_in_one_pass_match_oracle(name, mode, float64):
         assert_close(norms, np.linalg.norm(flat, axis=1), what=f"{name}: norms ({mode})")
 
 
+@BOTH
+@pytest.mark.parametrize("name", ["conv2d_same_stride2", "separable_shared_depthwise",
+                                  "shared_layer", "conv1d_causal"])
+def test_mean_drops_a_nan_example_through_its_rebuilt_fallback(name, float64):
+    """``mean()`` sums plainly and falls back, inside a conditional (``tf.cond``, ``lax.cond``;
+    a Python branch on PyTorch), to dropping non-finite examples with the forms rebuilt there
+    (``PerExampleResult.rebuilt``): against the loop oracle on the finite examples, divided by
+    every row."""
+    case = zoo.ALL[name]()
+    expected, _ = _oracle(case)
+    pex = pergrad.PerExample(case.model, case.loss)
+    x, y, w = pex.prepare(case.x, case.y, case.sample_weight)
+    poisoned = keras.tree.map_structure(np.array, case.x)
+    first = keras.tree.flatten(poisoned)[0]
+    first.reshape(len(first), -1)[2, 0] = np.nan
+    px, _, _ = pex.prepare(poisoned, case.y, case.sample_weight)
+    update = pex.compiled("mean_nan", lambda x, y, w: pergrad.aggregate.mean()(
+        pex.compute(x, y, w), w))(px, y, w)
+    batch = len(expected[0])
+    keep = np.arange(batch) != 2
+    for u, e in zip(update, expected, strict=True):
+        want = e[keep].sum(0) / batch
+        assert_close(u, want, atol=1e-6 * max(np.max(np.abs(want)), 1e-12))
+
+
 def test_dots_many_checks_each_vector_shape(float64):
     case = zoo.ALL["mlp"]()
     pex = pergrad.PerExample(case.model, case.loss)
