@@ -75,6 +75,42 @@ def test_shifted_route_matches_loop_oracle(name, float64):
         assert_close(s, np.tensordot(weights, e, axes=1), what=f"weighted sum {v.path}")
 
 
+@pytest.mark.parametrize("name", ["1d_valid", "2d_same", "2d_1x1_narrow"])
+def test_products_by_offset_in_every_reduction(name, float64):
+    """The per-example products, kept as one block per kernel offset on TensorFlow, in every
+    reduction that reads them after the norms: the Gram matrix, several weighted sums and
+    several dot products at once, and the materialized gradients, against the loop oracle."""
+    model, layer, _, x, y = _case(name)
+    expected, _ = loop_gradients(model, keras_loss(zoo.SCCE), x, y)
+    rng = np.random.default_rng(5)
+    coefficients = [rng.normal(size=B), rng.uniform(size=B)]
+    vector_sets = [[rng.normal(size=v.shape) for v in model.trainable_variables]
+                   for _ in range(2)]
+    pex = pergrad.PerExample(model, zoo.SCCE)
+
+    def body(x, y, w, coefficients, vector_sets):
+        result = pex.compute(x, y, w)
+        norms = result.norms()
+        return (norms, result.gram(), result.weighted_sums(coefficients),
+                result.dots_many(vector_sets), result.gradients())
+
+    cast = [keras.ops.convert_to_tensor(c, "float64") for c in coefficients]
+    vectors = [[keras.ops.convert_to_tensor(v) for v in vs] for vs in vector_sets]
+    norms, gram, sums, dots, grads = pex.compiled("blocks", body)(*pex.prepare(x, y), cast,
+                                                                  vectors)
+    flat = np.concatenate([e.reshape(B, -1) for e in expected], axis=1)
+    assert_close(norms, np.linalg.norm(flat, axis=1), what="norms")
+    assert_close(gram, flat @ flat.T, what="gram")
+    for c, got in zip(coefficients, sums, strict=True):
+        for g, e in zip(got, expected, strict=True):
+            assert_close(g, np.tensordot(c, e, axes=1), what="weighted_sums")
+    for vs, got in zip(vector_sets, dots, strict=True):
+        for g, e, v in zip(got, expected, vs, strict=True):
+            assert_close(g, e.reshape(B, -1) @ v.ravel(), what="dots_many")
+    for g, e, v in zip(grads, expected, model.trainable_variables, strict=True):
+        assert_close(g, e, what=f"gradients {v.path}")
+
+
 def test_strided_and_narrow_convolutions_keep_the_patch_route(float64):
     model, layer, _, x, y = _case("2d_same")
     strided = keras.Model(model.inputs, L.Dense(3)(L.Flatten()(

@@ -60,8 +60,11 @@ class Factored:
     ``weighted_sum(c)`` with a faster native kernel (a convolution's filter gradient).
     ``per_example``, when given, computes the per-example matrices ``(B, G, O, I)``
     (``sum_t D_i[t]^T A_i[t]`` per group) with a faster native kernel (a depthwise
-    convolution's filter gradient with the batch folded into the channels); norms, dots and
-    Gram matrices then always take the materialized route. ``remake``, when given, rebuilds the
+    convolution's filter gradient with the batch folded into the channels), or a list of
+    blocks ``(B, G, O, I_k)`` whose concatenation along ``I`` they are (a convolution's one
+    product per kernel offset: the norms, dots and sums read the blocks, and only
+    ``materialize`` writes the concatenation); norms, dots and Gram matrices then always take
+    the materialized route. ``remake``, when given, rebuilds the
     form from the layer's inputs with the rows of examples where ``keep`` is false zeroed
     (``remake(keep)``); :meth:`masked` then uses it, so a masked form computed inside a
     conditional reads only the layer's input and output gradient, not tensors (patches) that
@@ -111,12 +114,13 @@ class Factored:
         # natural order is (I..., G..., O...): reshape to (I, G, O)
         return ops.reshape(v, [i, g, o])
 
-    def _per_example_matrices(self) -> Tensor:
-        """``(B, G, O, I)``: ``sum_t d_t a_t^T`` per example and group, in the layout TensorFlow
+    def _per_example_blocks(self) -> list:
+        """``[(B, G, O, I_k), ...]``: ``sum_t d_t a_t^T`` per example and group, in blocks along
+        ``I`` (one block unless ``per_example`` gives several), in the layout TensorFlow
         multiplies fastest (``matmul(D, A, transpose_a=True)``: 0.6 ms against 1.8 ms for
         ``A^T D`` with the benchmark CNN's first layer). Built once per form (per graph on
-        TensorFlow): norms, dots and Gram matrices share it; only ``materialize`` transposes
-        it to the variable's layout."""
+        TensorFlow): norms, dots, sums and Gram matrices share them; only ``materialize``
+        concatenates them and transposes to the variable's layout."""
         token = trace_token()
         self._matrices_traced = True
         if token is None or self._matrices is None or self._matrices[0] is not token:
@@ -129,14 +133,31 @@ class Factored:
                 m = matmul_ta(d[:, :, 0, :], a[:, :, 0, :])[:, None]
             else:
                 m = matmul_ta(ops.transpose(d, [0, 2, 1, 3]), ops.transpose(a, [0, 2, 1, 3]))
+            blocks = list(m) if isinstance(m, (list, tuple)) else [m]
             if token is None:
-                return m
+                return blocks
             # Remembered per graph: a tensor made inside a tf.cond branch is not usable outside.
-            self._matrices = (token, m)
+            self._matrices = (token, blocks)
         return self._matrices[1]
 
-    def _built_matrices(self) -> Tensor | None:
-        """The per-example matrices when the norms of this trace built them (visible from the
+    def _per_example_matrices(self) -> Tensor:
+        """``(B, G, O, I)``: the blocks of :meth:`_per_example_blocks` side by side."""
+        blocks = self._per_example_blocks()
+        return blocks[0] if len(blocks) == 1 else ops.concatenate(blocks, axis=-1)
+
+    def _split_inputs(self, v: Tensor, blocks: list) -> list:
+        """``v`` (``(..., I)``) cut along its last axis as the blocks cut ``I``."""
+        if len(blocks) == 1:
+            return [v]
+        parts, start = [], 0
+        for block in blocks:
+            width = block.shape[-1]
+            parts.append(v[..., start:start + width])
+            start += width
+        return parts
+
+    def _built_blocks(self) -> list | None:
+        """The per-example matrices' blocks when the norms of this trace built them (visible from the
         graph being built now) and :func:`pergrad.rules.cost.sums_from_matrices` allows keeping
         them for the sum, else ``None``. Under ``jax.jit`` they are rebuilt by the same ops and
         XLA merges the two."""
@@ -148,7 +169,7 @@ class Factored:
             return None
         token = trace_token()
         if token is None:  # JAX: XLA merges the repeated product with the norms' one
-            return self._per_example_matrices() if self._matrices_traced else None
+            return self._per_example_blocks() if self._matrices_traced else None
         if self._matrices is None:
             return None
         built, graph = self._matrices[0], token
@@ -190,25 +211,25 @@ class Factored:
             gram_a = ops.einsum("btgi,bsgi->bgts", self.a, self.a)
             gram_d = ops.einsum("btgo,bsgo->bgts", self.d, self.d)
             return ops.sum(gram_a * gram_d, axis=[1, 2, 3])
-        m = self._per_example_matrices()
-        return ops.sum(ops.square(m), axis=[1, 2, 3])
+        return add_n([ops.sum(ops.square(m), axis=[1, 2, 3]) for m in self._per_example_blocks()])
 
     def dots(self, vector: Tensor) -> Tensor:
         v = self._from_variable_layout(ops.cast(vector, dtype_of(self.a)))
         if self.a.shape[1] != 1 and self._materializing():
             # The per-example matrices are built for the norms anyway (and shared with them
             # inside one graph): <M_i, V> costs I O per example instead of T I O.
-            m = self._per_example_matrices()
+            blocks = self._per_example_blocks()
             v = ops.transpose(v, [1, 2, 0])  # (G, O, I), as the matrices
-            return ops.sum(ops.reshape(m * v[None], [batch_size(m), -1]), axis=1)
+            return add_n([ops.sum(ops.reshape(m * vk[None], [batch_size(m), -1]), axis=1)
+                          for m, vk in zip(blocks, self._split_inputs(v, blocks), strict=True)])
         av = ops.einsum("btgi,igo->btgo", self.a, v)
         return ops.sum(av * self.d, axis=[1, 2, 3])
 
     def weighted_sum(self, coefficients: Tensor) -> Tensor:
-        m = self._built_matrices()
-        if m is not None:  # sum_i c_i M_i: B I O reads instead of B T I O multiply-adds
-            c = ops.cast(coefficients, dtype_of(m))
-            s = ops.tensordot(c, m, axes=1)  # (G, O, I)
+        blocks = self._built_blocks()
+        if blocks is not None:  # sum_i c_i M_i: B I O reads instead of B T I O multiply-adds
+            c = ops.cast(coefficients, dtype_of(blocks[0]))
+            s = _side_by_side([ops.tensordot(c, m, axes=1) for m in blocks])  # (G, O, I)
             return self._to_variable_layout(ops.transpose(s, [2, 0, 1]), batched=False)
         if self.summed is not None:
             return ops.reshape(self.summed(coefficients), self.var_shape)
@@ -226,10 +247,10 @@ class Factored:
         ``C M`` with ``C`` the ``(K, B)`` coefficients where the per-example matrices are built
         (one read of them instead of ``K``), ``A^T [c^(1) D, ..., c^(K) D]`` (one GEMM) for one
         group without them."""
-        m = self._built_matrices()
-        if m is not None:
-            c = ops.stack([ops.cast(ck, dtype_of(m)) for ck in coefficients])  # (K, B)
-            s = ops.tensordot(c, m, axes=1)  # (K, G, O, I)
+        blocks = self._built_blocks()
+        if blocks is not None:
+            c = ops.stack([ops.cast(ck, dtype_of(blocks[0])) for ck in coefficients])  # (K, B)
+            s = _side_by_side([ops.tensordot(c, m, axes=1) for m in blocks])  # (K, G, O, I)
             return [self._to_variable_layout(ops.transpose(s[k], [2, 0, 1]), batched=False)
                     for k in range(len(coefficients))]
         i, g, o = self.a.shape[3], self.a.shape[2], self.d.shape[3]
@@ -251,9 +272,11 @@ class Factored:
         vs = [self._from_variable_layout(ops.cast(v, dtype_of(self.a))) for v in vectors]  # (I, G, O)
         batch = batch_size(self.a)
         if self.a.shape[1] != 1 and self._materializing():
-            m = self._per_example_matrices()  # (B, G, O, I)
-            stacked = ops.stack([ops.reshape(ops.transpose(v, [1, 2, 0]), [-1]) for v in vs], 1)
-            out = ops.matmul(ops.reshape(m, [batch, -1]), stacked)  # (B, K)
+            blocks = self._per_example_blocks()  # (B, G, O, I_k) each
+            parts = [self._split_inputs(ops.transpose(v, [1, 2, 0]), blocks) for v in vs]
+            out = add_n([ops.matmul(ops.reshape(m, [batch, -1]),
+                                    ops.stack([ops.reshape(p[b], [-1]) for p in parts], 1))
+                         for b, m in enumerate(blocks)])  # (B, K)
             return [out[:, k] for k in range(len(vectors))]
         i, g, o = self.a.shape[3], self.a.shape[2], self.d.shape[3]
         if g != 1:
@@ -274,8 +297,8 @@ class Factored:
             gram_a = ops.einsum("btgi,csgi->bcgts", self.a, self.a)
             gram_d = ops.einsum("btgo,csgo->bcgts", self.d, self.d)
             return ops.sum(gram_a * gram_d, axis=[2, 3, 4])
-        flat = ops.reshape(self._per_example_matrices(), [batch_size(self.a), -1])
-        return ops.matmul(flat, ops.transpose(flat))
+        flats = [ops.reshape(m, [batch_size(self.a), -1]) for m in self._per_example_blocks()]
+        return add_n([ops.matmul(f, ops.transpose(f)) for f in flats])
 
     def masked(self, keep: Tensor) -> Factored:
         """The form with the rows of examples where ``keep`` is false set to zero (NaN rows
@@ -316,7 +339,7 @@ class Factored:
                 return first(c) + second(c)
         if self.per_example is not None and other.per_example is not None:
             def per_example(first=self.per_example, second=other.per_example):
-                return first() + second()
+                return _add_blocks(first(), second())
         remake = None
         if self.remake is not None and other.remake is not None:
             def remake(keep, first=self.remake, second=other.remake):
@@ -324,6 +347,25 @@ class Factored:
         return Factored(self.variable, ops.concatenate([self.a, other.a], 1),
                         ops.concatenate([self.d, other.d], 1), self.natural_shape, self.perm,
                         summed, per_example, remake)
+
+
+def _side_by_side(parts: list) -> Tensor:
+    """The parts concatenated along their last axis (one part: itself)."""
+    return parts[0] if len(parts) == 1 else ops.concatenate(parts, axis=-1)
+
+
+def _add_blocks(first, second):
+    """The sum of two ``per_example`` results, each a tensor or a list of blocks along ``I``:
+    block by block where both cut ``I`` alike."""
+    blocks = (list, tuple)
+    if isinstance(first, blocks) and isinstance(second, blocks) and [
+            m.shape[-1] for m in first] == [m.shape[-1] for m in second]:
+        return [f + s for f, s in zip(first, second, strict=True)]
+    if isinstance(first, blocks):
+        first = _side_by_side(list(first))
+    if isinstance(second, blocks):
+        second = _side_by_side(list(second))
+    return first + second
 
 
 @dataclass

@@ -151,12 +151,13 @@ def _initial_states(layer, sequences: Tensor, initial_state) -> tuple:
 
 
 def _recur(step: Step, extras: int, inputs: Tensor, mask: Tensor | None, states: tuple,
-           zero_output_for_mask: bool) -> tuple:
+           zero_output_for_mask: bool, sequences: bool = True) -> tuple:
     """Run ``step`` over time-major ``inputs`` ``(T, B, G)`` as Keras's ``backend.rnn`` does.
 
     Where ``mask[t]`` is false the states stay as they were and the output is the previous
     step's (zeros before the first, or always zeros with ``zero_output_for_mask``). Returns the
-    time-major outputs, the final states, ``h_{t-1}`` and the step extras, all stacked over ``t``.
+    time-major outputs stacked over ``t`` (``None`` unless ``sequences``), the last output, the
+    final states, ``h_{t-1}`` and the step extras, the last two stacked over ``t``.
     """
     def body(carry, elems):
         previous_output, previous_states = carry
@@ -183,21 +184,42 @@ def _recur(step: Step, extras: int, inputs: Tensor, mask: Tensor | None, states:
     elems = (inputs,) if mask is None else (inputs, mask)
     zero = ops.zeros_like(states[0])
     if is_tensorflow():
-        # tf.scan: Keras 3.15's TensorFlow ops.scan mishandles nested carries and outputs.
-        import tensorflow as tf
-
-        def accumulate(acc, step_elems):
-            (output, new_states), (_, previous_h, step_extras) = body(
-                (acc[0], acc[1]), step_elems)
-            return output, new_states, previous_h, step_extras
-
-        initializer = (zero, tuple(states), zero, tuple(zero for _ in range(extras)))
-        outputs, state_steps, previous, extra_steps = tf.scan(accumulate, elems,
-                                                               initializer=initializer)
-        return outputs, tuple(s[-1] for s in state_steps), previous, extra_steps
-    (_, final_states), (outputs, previous, extra_steps) = ops.scan(
+        return _recur_on_tensorflow(body, extras, elems, zero, tuple(states), sequences)
+    (last, final_states), (outputs, previous, extra_steps) = ops.scan(
         body, (zero, tuple(states)), elems)
-    return outputs, tuple(final_states), previous, extra_steps
+    return outputs if sequences else None, last, tuple(final_states), previous, extra_steps
+
+
+def _recur_on_tensorflow(body, extras: int, elems: tuple, zero: Tensor, states: tuple,
+                         sequences: bool) -> tuple:
+    """:func:`_recur`'s loop as a ``tf.while_loop`` that stacks only what is read afterwards:
+    ``h_{t-1}``, the extras and (with ``sequences``) the outputs; the states and the last
+    output stay loop variables. (Keras 3.15's TensorFlow ``ops.scan`` mishandles nested
+    carries, and ``tf.scan`` stacks every carry: the outputs and each state, twice more for
+    a GRU, whose state is its output.)"""
+    import tensorflow as tf
+
+    steps = tf.shape(elems[0])[0]
+    read = [tf.TensorArray(e.dtype, size=steps).unstack(e) for e in elems]
+
+    def stack_of(like):
+        return tf.TensorArray(like.dtype, size=steps, element_shape=like.shape)
+
+    written = (stack_of(zero) if sequences else (), stack_of(zero),
+               tuple(stack_of(zero) for _ in range(extras)))
+
+    def loop(t, last, carried, outputs, previous, extra_steps):
+        (output, new_states), (_, previous_h, step_extras) = body(
+            (last, carried), tuple(r.read(t) for r in read))
+        if sequences:
+            outputs = outputs.write(t, output)
+        return (t + 1, output, new_states, outputs, previous.write(t, previous_h),
+                tuple(a.write(t, e) for a, e in zip(extra_steps, step_extras, strict=True)))
+
+    _, last, final_states, outputs, previous, extra_steps = tf.while_loop(
+        lambda t, *_: t < steps, loop, (tf.constant(0), zero, states, *written))
+    return (outputs.stack() if sequences else None, last, final_states, previous.stack(),
+            tuple(a.stack() for a in extra_steps))
 
 
 def _batch_major(t: Tensor, backwards: bool) -> Tensor:
@@ -231,10 +253,10 @@ def recurrent_forward(layer, args: tuple, kwargs: dict,
         projected = tap(projected)
     step, extras = _CELLS[_registered_class(layer)][1](cell)  # the cell's math, see above
     inputs, mask = _time_major(projected, mask, backwards)
-    outputs, states, previous, extra_steps = _recur(
+    outputs, last, states, previous, extra_steps = _recur(
         step, extras, inputs, mask, _initial_states(layer, sequences, initial_state),
-        layer.zero_output_for_mask)
-    output = _batch_major(outputs, False) if layer.return_sequences else outputs[-1]
+        layer.zero_output_for_mask, layer.return_sequences)
+    output = _batch_major(outputs, False) if layer.return_sequences else last
     output = ops.cast(output, layer.compute_dtype)
     states = [ops.cast(s, layer.compute_dtype) for s in states]
     saved = Saved(x, _batch_major(previous, backwards),
