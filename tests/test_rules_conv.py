@@ -13,7 +13,7 @@ from rule_check import assert_rule_matches_oracle
 
 import pergrad
 from pergrad.rules.conv import conv_rule
-from pergrad.rules.cost import SHIFTED_MIN_CHANNELS, shifted_products_win
+from pergrad.rules.cost import SHIFTED_MIN_CHANNELS, folded_products_win, shifted_products_win
 from pergrad.rules.forms import Factored
 
 pytestmark = pytest.mark.all_backends
@@ -37,8 +37,27 @@ CASES = {
 }
 
 
+# Strided convolutions whose kernel is a whole number of strides: on TensorFlow their products
+# come from the input folded by the strides (space to depth), at least SHIFTED_MIN_CHANNELS
+# folded channels.
+FOLDED = {
+    "folded_2d_valid": (L.Conv2D, (9, 9), dict(kernel_size=4, strides=2), WIDE // 4),
+    "folded_2d_same_uneven": (L.Conv2D, (9, 10), dict(kernel_size=(4, 3), strides=(2, 3),
+                                                      padding="same"), WIDE // 4),
+    "folded_1d_causal": (L.Conv1D, (11,), dict(kernel_size=4, strides=2, padding="causal"),
+                         WIDE // 2),
+    "folded_1d_patchify": (L.Conv1D, (12,), dict(kernel_size=3, strides=3), WIDE),
+    "folded_3d_same": (L.Conv3D, (5, 6, 3), dict(kernel_size=(4, 4, 1), strides=(2, 2, 1),
+                                                 padding="same"), WIDE // 4),
+    "folded_3d_channels_first": (L.Conv3D, (4, 4, 3), dict(kernel_size=(2, 2, 3),
+                                                          strides=(2, 2, 3),
+                                                          data_format="channels_first"),
+                                 WIDE // 4),
+}
+
+
 def _case(name: str):
-    cls, size, kwargs, channels = CASES[name]
+    cls, size, kwargs, channels = {**CASES, **FOLDED}[name]
     channels_first = kwargs.get("data_format") == "channels_first"
     shape = (channels, *size) if channels_first else (*size, channels)
     inputs = keras.Input(shape)
@@ -75,7 +94,8 @@ def test_shifted_route_matches_loop_oracle(name, float64):
         assert_close(s, np.tensordot(weights, e, axes=1), what=f"weighted sum {v.path}")
 
 
-@pytest.mark.parametrize("name", ["1d_valid", "2d_same", "2d_1x1_narrow"])
+@pytest.mark.parametrize("name", ["1d_valid", "2d_same", "2d_1x1_narrow", "folded_2d_valid",
+                                  "folded_2d_same_uneven"])
 def test_products_by_offset_in_every_reduction(name, float64):
     """The per-example products, kept as one block per kernel offset on TensorFlow, in every
     reduction that reads them after the norms: the Gram matrix, several weighted sums and
@@ -109,6 +129,26 @@ def test_products_by_offset_in_every_reduction(name, float64):
             assert_close(g, e.reshape(B, -1) @ v.ravel(), what="dots_many")
     for g, e, v in zip(grads, expected, model.trainable_variables, strict=True):
         assert_close(g, e, what=f"gradients {v.path}")
+
+
+@pytest.mark.parametrize("name", sorted(FOLDED))
+def test_folded_route_matches_loop_oracle(name, float64):
+    """Products from the input folded by the strides: the route is taken on TensorFlow (the
+    other backends keep the patches), and every quantity matches the oracle."""
+    model, layer, rule, x, y = _case(name)
+    cls, _, kwargs, channels = FOLDED[name]
+    assert folded_products_win(layer.kernel_size, layer.strides, layer.dilation_rate, channels)
+    taken = _kernel_form(model, layer, x, y).per_example is not None
+    assert taken == (keras.backend.backend() == "tensorflow")
+    assert_rule_matches_oracle(model, layer, rule, x, y)
+
+
+def test_folded_route_needs_whole_strides_and_enough_channels():
+    assert not folded_products_win((3, 3), (2, 2), (1, 1), 64)  # 3 is not a multiple of 2
+    assert not folded_products_win((4, 4), (2, 2), (2, 2), 64)  # dilated
+    assert not folded_products_win((8, 8), (2, 2), (1, 1), 1)  # 4 folded channels
+    assert not folded_products_win((3, 3), (1, 1), (1, 1), 64)  # stride 1: the shifted route
+    assert folded_products_win((4, 4), (2, 2), (1, 1), 16)
 
 
 def test_strided_and_narrow_convolutions_keep_the_patch_route(float64):
