@@ -253,7 +253,7 @@ def test_gram_matches_oracle(name, float64):
     assert_close(gram, flat @ flat.T, atol=1e-6 * np.max(np.abs(flat @ flat.T)))
 
 
-@pytest.mark.parametrize("name", ["mlp", "transformer"])
+@pytest.mark.parametrize("name", ["mlp", "transformer", "lstm_gru", "conv1d_causal"])
 def test_jit_compile_matches_loop_oracle(name, float64):
     case = zoo.ALL[name]()
     expected, _ = _oracle(case)

@@ -199,7 +199,7 @@ def _recur_on_tensorflow(body, extras: int, elems: tuple, zero: Tensor, states: 
     a GRU, whose state is its output.)"""
     import tensorflow as tf
 
-    steps = tf.shape(elems[0])[0]
+    steps = elems[0].shape[0] if elems[0].shape[0] is not None else tf.shape(elems[0])[0]
     read = [tf.TensorArray(e.dtype, size=steps).unstack(e) for e in elems]
 
     def stack_of(like):
@@ -216,8 +216,11 @@ def _recur_on_tensorflow(body, extras: int, elems: tuple, zero: Tensor, states: 
         return (t + 1, output, new_states, outputs, previous.write(t, previous_h),
                 tuple(a.write(t, e) for a, e in zip(extra_steps, step_extras, strict=True)))
 
+    # maximum_iterations: XLA (jit_compile=True) needs the stacks' size, and so does their
+    # gradient's accumulator.
     _, last, final_states, outputs, previous, extra_steps = tf.while_loop(
-        lambda t, *_: t < steps, loop, (tf.constant(0), zero, states, *written))
+        lambda t, *_: t < steps, loop, (tf.constant(0), zero, states, *written),
+        maximum_iterations=steps)
     return (outputs.stack() if sequences else None, last, final_states, previous.stack(),
             tuple(a.stack() for a in extra_steps))
 
