@@ -133,7 +133,7 @@ class Factored:
                 m = matmul_ta(d[:, :, 0, :], a[:, :, 0, :])[:, None]
             else:
                 m = matmul_ta(ops.transpose(d, [0, 2, 1, 3]), ops.transpose(a, [0, 2, 1, 3]))
-            blocks = list(m) if isinstance(m, (list, tuple)) else [m]
+            blocks = _as_blocks(m)
             if token is None:
                 return blocks
             # Remembered per graph: a tensor made inside a tf.cond branch is not usable outside.
@@ -142,8 +142,7 @@ class Factored:
 
     def _per_example_matrices(self) -> Tensor:
         """``(B, G, O, I)``: the blocks of :meth:`_per_example_blocks` side by side."""
-        blocks = self._per_example_blocks()
-        return blocks[0] if len(blocks) == 1 else ops.concatenate(blocks, axis=-1)
+        return _side_by_side(self._per_example_blocks())
 
     def _split_inputs(self, v: Tensor, blocks: list) -> list:
         """``v`` (``(..., I)``) cut along its last axis as the blocks cut ``I``."""
@@ -354,18 +353,17 @@ def _side_by_side(parts: list) -> Tensor:
     return parts[0] if len(parts) == 1 else ops.concatenate(parts, axis=-1)
 
 
-def _add_blocks(first, second):
-    """The sum of two ``per_example`` results, each a tensor or a list of blocks along ``I``:
-    block by block where both cut ``I`` alike."""
-    blocks = (list, tuple)
-    if isinstance(first, blocks) and isinstance(second, blocks) and [
-            m.shape[-1] for m in first] == [m.shape[-1] for m in second]:
+def _as_blocks(m) -> list:
+    """A ``per_example`` result as its list of blocks along ``I`` (a tensor is one block)."""
+    return list(m) if isinstance(m, (list, tuple)) else [m]
+
+
+def _add_blocks(first, second) -> list:
+    """The sum of two ``per_example`` results: block by block where both cut ``I`` alike."""
+    first, second = _as_blocks(first), _as_blocks(second)
+    if [m.shape[-1] for m in first] == [m.shape[-1] for m in second]:
         return [f + s for f, s in zip(first, second, strict=True)]
-    if isinstance(first, blocks):
-        first = _side_by_side(list(first))
-    if isinstance(second, blocks):
-        second = _side_by_side(list(second))
-    return first + second
+    return [_side_by_side(first) + _side_by_side(second)]
 
 
 @dataclass
