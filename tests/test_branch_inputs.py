@@ -112,3 +112,44 @@ def test_monitor_every_n_steps_computes_patches_only_when_monitoring():
 
     assert PATCHES not in _top_level_ops(step, x, y)
     assert PATCHES in _library_ops(step, x, y)
+
+
+FILTER_GRADIENT = "Conv2DBackpropFilter"
+
+
+def _top_level_branches(fn, *args) -> list[tuple[set[str], set[str]]]:
+    """``(then ops, else ops)``: the op types of each top-level conditional's two branch
+    functions (their own nodes; nested conditionals are functions of their own)."""
+    graph = fn.get_concrete_function(*args).graph
+    library = {f.signature.name: {node.op for node in f.node_def}
+               for f in graph.as_graph_def().library.function}
+    return [(library[op.get_attr("then_branch").name], library[op.get_attr("else_branch").name])
+            for op in graph.get_operations() if op.type in ("If", "StatelessIf")]
+
+
+@pytest.mark.parametrize("every_n_steps", [1, 10])
+def test_a_monitored_mean_step_sums_from_the_statistics_matrices(every_n_steps):
+    """``compute_alongside`` with the ``mean()`` aggregator's ``local`` (what
+    ``PerExampleModel`` passes): the monitored branch, which builds the per-example matrices
+    from the patches for its norms, reads its sum from them and runs no native filter gradient;
+    the skipped branch runs the filter gradient (the control: that op is what a sum recomputed
+    from the layer inputs would add). The aggregator's non-finite fallback, a conditional
+    nested in both, may still recompute it: only the top-level branches are checked."""
+    from pergrad.aggregate import Batch
+
+    pex = pergrad.PerExample(_conv(), LOSS)
+    monitor = pergrad.keras.GradientMonitor(every_n_steps=every_n_steps, track_examples=False)
+    mean = pergrad.aggregate.mean()
+    x, y = _data()
+
+    @tf.function(autograph=False)
+    def step(x, y):
+        result = pex.compute(x, y)
+        stats, local = monitor.compute_alongside(result, lambda r: mean.local(r, Batch.of(r)))
+        return stats, mean.finalize(local, None)
+
+    (monitored, skipped), = [(then, other) for then, other in _top_level_branches(step, x, y)
+                             if PATCHES in then]  # the monitor's cond; the norms need patches
+    assert FILTER_GRADIENT not in monitored
+    assert FILTER_GRADIENT in skipped
+    assert PATCHES not in _top_level_ops(step, x, y)

@@ -88,6 +88,29 @@ def test_backing_variable_graph_and_untracked_attributes():
     assert meta.plugin_data.plugin_name == "scalars"
 
 
+def test_tracing_for_xla_inside_jit_compile_and_its_branches():
+    seen = {}
+
+    def record(name):
+        seen[name] = _compat.tracing_for_xla()
+        return tf.constant(1.0)
+
+    @tf.function(jit_compile=True)
+    def compiled(flag):
+        record("compiled")
+        return tf.cond(flag, lambda: record("branch"), lambda: tf.constant(0.0))
+
+    @tf.function
+    def plain(flag):
+        record("plain")
+        return tf.cond(flag, lambda: record("plain branch"), lambda: tf.constant(0.0))
+
+    compiled(tf.constant(True))
+    plain(tf.constant(True))
+    assert seen == {"compiled": True, "branch": True, "plain": False, "plain branch": False}
+    assert not _compat.tracing_for_xla()  # eager
+
+
 @pytest.mark.all_backends
 def test_held_value_and_autocast_scope():
     v = keras.Variable(np.arange(3, dtype="float32"))

@@ -415,6 +415,42 @@ def test_the_monitor_changes_nothing_in_a_dp_step(float64):
     assert not np.allclose(plain.model.get_weights()[0], _inner().get_weights()[0])
 
 
+def _conv_inner():
+    """Convolutions down each route of the rule (patches for the strided one, shifted slices
+    for the stride-1 one with 16 channels) and a Dense head."""
+    return keras.Sequential([
+        keras.Input((9, 9, 2)),
+        keras.layers.Conv2D(16, 3, strides=2, padding="same", activation="tanh"),
+        keras.layers.Conv2D(4, 3, padding="same", activation="tanh"),
+        keras.layers.Flatten(), keras.layers.Dense(3)])
+
+
+@BOTH
+def test_the_monitor_changes_nothing_in_a_mean_step(float64):
+    """A monitored step's ``mean()`` sums read the per-example matrices the statistics built
+    (``GradientMonitor.compute_alongside``), a skipped step's the layer inputs: over steps of
+    both kinds (``every_n_steps=2``) the weights equal those of the model without a monitor and
+    of Keras's own ``fit``."""
+    rng = np.random.default_rng(3)
+    x = rng.normal(size=(N, 9, 9, 2))
+    y = rng.integers(0, 3, N)
+    keras.utils.set_random_seed(4)
+    initial = _conv_inner().get_weights()
+    trained = []
+    for monitor in (None, GradientMonitor(every_n_steps=2, num_examples=N), "keras"):
+        inner = _conv_inner()
+        inner.set_weights(initial)
+        model = inner if monitor == "keras" else PerExampleModel(inner, monitor=monitor)
+        model.compile(optimizer=keras.optimizers.SGD(0.5), loss=SCCE)
+        model.fit(x, y, batch_size=BATCH, epochs=2, shuffle=False, verbose=0)
+        trained.append(inner.get_weights())
+    plain, monitored, reference = trained
+    assert not np.allclose(reference[0], initial[0])
+    for k, (a, b, c) in enumerate(zip(plain, monitored, reference, strict=True)):
+        assert_close(b, a, rtol=1e-10, what=f"weight {k}, monitored against plain")
+        assert_close(b, c, rtol=1e-10, what=f"weight {k}, monitored against Keras")
+
+
 @BOTH
 def test_a_step_refused_by_the_mixing_check_is_not_recorded():
     """BatchNormalization in training mode mixes examples: the clipped model refuses the first

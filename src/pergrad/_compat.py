@@ -71,6 +71,16 @@ def current_graph() -> Any:
     return tf.compat.v1.get_default_graph()
 
 
+def tracing_for_xla() -> bool:
+    """Whether the graph being built now will be compiled by XLA: traced inside
+    ``tf.function(jit_compile=True)`` (Keras's ``jit_compile=True``), directly or in a branch,
+    loop body or nested function of it. An op with no XLA kernel must not be used there
+    (``control_flow_util.GraphOrParentsInXlaContext``: the XLA context the trace enters)."""
+    from tensorflow.python.ops import control_flow_util
+
+    return bool(control_flow_util.GraphOrParentsInXlaContext(tf.compat.v1.get_default_graph()))
+
+
 def set_untracked(obj: Any, name: str, value: Any) -> None:
     """Set an attribute without Keras's tracking (``Layer.__setattr__`` would track a layer or
     variable value and refuse some names once built)."""

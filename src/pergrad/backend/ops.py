@@ -50,6 +50,36 @@ def matmul_ta(a: Any, b: Any) -> Any:
     return ops.matmul(ops.swapaxes(a, -1, -2), b)
 
 
+def row_squared_norms(t: Any) -> Any:
+    """``(B,)``: ``||t[i]||^2``, the sum of squares over every axis but the first.
+
+    TensorFlow's ``Square`` then ``Sum`` writes a ``t``-sized tensor and reads it again; one
+    ``EuclideanNorm`` reduction, squared, reads ``t`` once (float32, this 2-core CPU:
+    ``(256, 128, 512)`` 2.0 against 7.0 ms, ``(256, 32, 256)`` 0.7 against 1.2 ms; the result
+    differs by about one ulp). Its gradient is set to ``2 t`` (the square of a square root has
+    none at a zero row). XLA has no ``EuclideanNorm`` kernel and fuses the two ops itself, so
+    under ``jit_compile=True``, on other backends and for other dtypes the squares are summed."""
+    flat = ops.reshape(t, [batch_size(t), -1])
+    if is_tensorflow() and dtype_of(t) in ("float32", "float64"):
+        from pergrad._compat import tracing_for_xla
+
+        if not tracing_for_xla():
+            return _tensorflow_row_squared_norms(flat)
+    return ops.sum(ops.square(flat), axis=1)
+
+
+def _tensorflow_row_squared_norms(flat: Any) -> Any:
+    import tensorflow as tf
+
+    @tf.custom_gradient
+    def squared(rows):
+        def gradient(upstream):
+            return 2.0 * rows * upstream[:, None]
+        return tf.square(tf.math.reduce_euclidean_norm(rows, axis=1)), gradient
+
+    return squared(flat)
+
+
 def vjp(fn: Callable[[Any], Any], primal: Any, cotangent: Any) -> Any:
     """``d/dp <fn(p), cotangent>`` at ``p = primal``: one vector-Jacobian product."""
     if is_tensorflow():

@@ -170,7 +170,11 @@ class PerExampleModel(keras.Model):
             scalar tensors merged into the logs (``pergrad.keras.GradientMonitor``), also given
             ``labels=``, ``learning_rate=`` (this step's) and ``from_logits=`` (read from the
             compiled loss, ``None`` if unknown) when it accepts them; if it is a
-            Keras callback, ``fit`` adds it to the callbacks. Not saved with the model. Its
+            Keras callback, ``fit`` adds it to the callbacks. A monitor that also has
+            ``compute_alongside(result, alongside, ...) -> (dict, value)`` (``GradientMonitor``)
+            computes the aggregator's part of the step with it, on TensorFlow inside its
+            monitored branch, so the aggregator's sums read the per-example matrices the
+            statistics built. Not saved with the model. Its
             statistics come from raw, unclipped gradients: under a DP aggregator they are not
             private, and a warning says so.
         check_example_mixing: with an aggregator that bounds each example's influence (clipping,
@@ -431,7 +435,17 @@ class PerExampleModel(keras.Model):
         # which skips the step and lowers the scale, as in Keras.
         loss_scaled = scale is not None and not self.aggregator.noisy
         batch = aggregate.Batch.of(result, sample_weight, loss_scaled=loss_scaled)
-        local = self.aggregator.local(result, batch)
+        stats = None
+        if hasattr(self.monitor, "compute_alongside"):
+            # Statistics first, then the aggregator on the same per-example data: on a monitored
+            # step its sums read the matrices the statistics' norms built (one weight pass less).
+            extras = {"labels": y, "learning_rate": tf.identity(self.optimizer.learning_rate),
+                      "from_logits": self._from_logits}
+            stats, local = self.monitor.compute_alongside(
+                result, lambda r: self.aggregator.local(r, batch), indices=indices,
+                sample_weight=sample_weight, **extras)
+        else:
+            local = self.aggregator.local(result, batch)
         total = aggregate.cross_replica(local, self.aggregator.gathers)
         with tf.control_dependencies(checks):
             key = noise.next_key(self.noise_state) if self.aggregator.noisy else None
@@ -455,11 +469,12 @@ class PerExampleModel(keras.Model):
             # DP steps are never skipped, so the scale would only grow, on a schedule, until every
             # example overflows: hold it at its initial value (data-independent).
             self.optimizer.step_counter.assign(0)
-        if self.monitor is not None:
+        if self.monitor is not None and stats is None:  # a monitor with compute() only
             extras = {"labels": y, "learning_rate": learning_rate,
                       "from_logits": self._from_logits}
             stats = self.monitor.compute(result, indices=indices, sample_weight=sample_weight,
                                          **_accepted(self.monitor.compute, extras))
+        if stats is not None:
             logs = {**logs, **dict(stats)}
         return logs
 

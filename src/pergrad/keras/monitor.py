@@ -5,6 +5,7 @@ from __future__ import annotations
 import csv
 import os
 import warnings
+from collections.abc import Callable
 from typing import Any
 
 import keras
@@ -154,17 +155,41 @@ class GradientMonitor(keras.callbacks.Callback):
         feed the per-example scores; ``PerExampleModel`` passes all three. Call it inside a
         ``tf.function`` on TensorFlow, inside ``jax.jit`` (or eagerly) on JAX.
         """
+        return self.compute_alongside(result, None, indices=indices, sample_weight=sample_weight,
+                                      labels=labels, learning_rate=learning_rate,
+                                      from_logits=from_logits)[0]
+
+    def compute_alongside(self, result: PerExampleResult, alongside: Callable[[Any], Any] | None,
+                          indices: Any = None, sample_weight: Any = None, labels: Any = None,
+                          learning_rate: Any = None,
+                          from_logits: bool | None = None) -> tuple[dict[str, Any], Any]:
+        """:meth:`compute`, and ``alongside(r)`` computed on the same per-example data:
+        ``(statistics, alongside(r))`` (``None`` for ``alongside=None``).
+
+        ``r`` is a ``PerExampleResult`` equal to ``result``. On TensorFlow a monitored step
+        evaluates ``alongside`` inside its own branch after the statistics, on the result they
+        were computed from, so a weighted sum there reads the per-example matrices the
+        statistics' norms built (``C M``: one read of ``B x P`` numbers) instead of computing
+        the sum again from the layer inputs (one more weight-gradient pass); a skipped step
+        evaluates it on the result rebuilt in the other branch. ``PerExampleModel`` passes its
+        aggregator's ``local``, so a monitored ``mean()`` step costs one weight pass less.
+        ``alongside`` returns a structure of tensors (``None`` entries allowed). Elsewhere it is
+        evaluated once, outside the monitor's own work (XLA merges the repeated products).
+        """
         if self.track_examples and indices is None and not self._warned_order:
-            warnings.warn(_ORDER_WARNING, stacklevel=2)
+            warnings.warn(_ORDER_WARNING, stacklevel=3)
             self._warned_order = True
         logits = self.from_logits if self.from_logits is not None else from_logits
         classes = self._classification(result, labels, logits)
         if is_tensorflow():
             return self._compute_tensorflow(result, indices, sample_weight, learning_rate,
-                                            classes)
-        return self._compute_on_host(result, indices, sample_weight, learning_rate, classes)
+                                            classes, alongside)
+        shared = None if alongside is None else alongside(result)
+        return (self._compute_on_host(result, indices, sample_weight, learning_rate, classes),
+                shared)
 
-    def _compute_tensorflow(self, result, indices, sample_weight, learning_rate, classes):
+    def _compute_tensorflow(self, result, indices, sample_weight, learning_rate, classes,
+                            alongside):
         import tensorflow as tf
 
         step = self._step.read_value()
@@ -178,8 +203,12 @@ class GradientMonitor(keras.callbacks.Callback):
         rate = tf.constant(1.0, tf.float64) if learning_rate is None \
             else tf.cast(learning_rate, tf.float64)
 
+        branch_value = _BranchValue(alongside)
+
         def monitored():  # rebuilt: skipped steps must not compute what only this reads
-            stats, active, values = step_statistics(result.rebuilt(), sample_weight)
+            rebuilt = result.rebuilt()
+            stats, active, values = step_statistics(rebuilt, sample_weight)
+            shared = branch_value.flat(rebuilt)  # after the norms: reads their matrices
             values = tf.cast(values, tf.float64)
             cosines = tf.cast(stats["cosine_to_batch"], tf.float64)
             updates = [self._last_stats.assign(values), self._last_step.assign(step),
@@ -188,14 +217,15 @@ class GradientMonitor(keras.callbacks.Callback):
             if self.track_examples:
                 updates.append(self._count(indices, active, stats, rate, classes))
             with tf.control_dependencies(updates):
-                return tf.identity(values)
+                return tf.identity(values), shared
 
         def skipped():
-            return self._last_stats.read_value()
+            return self._last_stats.read_value(), branch_value.flat(result.rebuilt())
 
-        values = tf.cond(tf.equal(step % self.every_n_steps, 0), monitored, skipped)
+        values, shared = tf.cond(tf.equal(step % self.every_n_steps, 0), monitored, skipped)
         dtype = result.norm_dtype
-        return {k: tf.cast(values[i], dtype) for i, k in enumerate(LOGGED_STATISTICS)}
+        stats = {k: tf.cast(values[i], dtype) for i, k in enumerate(LOGGED_STATISTICS)}
+        return stats, branch_value.rebuild(shared)
 
     def _compute_on_host(self, result, indices, sample_weight, learning_rate, classes):
         """JAX and PyTorch: the counters and tables are NumPy arrays on the host
@@ -421,6 +451,35 @@ class GradientMonitor(keras.callbacks.Callback):
             for key, data in per_example.items():
                 if data.size:
                     _histogram(f"per_example/{key}", data, step)
+
+
+class _BranchValue:
+    """``alongside(result)`` as the flat list of tensors a ``tf.cond`` branch returns (tensors
+    only), and its structure, ``None`` leaves included, to rebuild it after the ``cond``."""
+
+    def __init__(self, alongside: Callable[[Any], Any] | None) -> None:
+        self.alongside = alongside
+        self.structure: Any = None
+        self.absent: list[bool] = []
+
+    def flat(self, result: Any) -> list:
+        if self.alongside is None:
+            return []
+        import tensorflow as tf
+
+        self.structure = self.alongside(result)
+        leaves = tf.nest.flatten(self.structure)
+        self.absent = [t is None for t in leaves]
+        return [tf.identity(t) for t in leaves if t is not None]
+
+    def rebuild(self, flat: list) -> Any:
+        if self.alongside is None:
+            return None
+        import tensorflow as tf
+
+        given = iter(flat)
+        leaves = [None if absent else next(given) for absent in self.absent]
+        return tf.nest.pack_sequence_as(self.structure, leaves)
 
 
 def step_statistics(result: PerExampleResult, sample_weight: Any) -> tuple[dict, Any, Any]:

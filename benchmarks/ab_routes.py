@@ -1,0 +1,96 @@
+"""One route of the rules against another, in one process.
+
+Two ``PerExample`` objects over the same model and batch: one traced as usual, one traced with
+a route switched off (``--switch``):
+
+* ``folded``: ``pergrad.rules.conv.folded_products_win`` always refuses, so strided
+  convolutions take the patch route;
+* ``one_pass_norms``: TensorFlow's per-example squared norms of built per-example matrices sum
+  the squares (``Square`` then ``Sum``) instead of squaring one ``EuclideanNorm`` reduction
+  (``pergrad.backend.ops.row_squared_norms``).
+
+Their norms and clipped sums and the batch gradient are timed alternately, so that both routes
+see the same machine state; medians are printed as ratios to the batch gradient. Nothing here
+asserts on timings.
+
+    python benchmarks/ab_routes.py                        # folded, the benchmark CNN, batch 256
+    python benchmarks/ab_routes.py --model cnn --batch 64 --rounds 40
+    python benchmarks/ab_routes.py --switch one_pass_norms --model text_cnn
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import time
+
+import keras
+import numpy as np
+
+import pergrad
+from pergrad.backend import ops as backend_ops
+from pergrad.backend.lazy import tensorflow as tf
+from pergrad.bench.engine import LOSS, batch_gradient_fn
+from pergrad.bench.models import MODELS, batch
+from pergrad.rules import conv
+
+
+@contextlib.contextmanager
+def _replaced(module, name: str, value):
+    original = getattr(module, name)
+    setattr(module, name, value)
+    try:
+        yield
+    finally:
+        setattr(module, name, original)
+
+
+#: ``--switch`` name: (label with the route, label without it, context that switches it off).
+SWITCHES = {
+    "folded": ("folded", "patches",
+               lambda: _replaced(conv, "folded_products_win", lambda *a, **k: False)),
+    "one_pass_norms": ("one pass", "square+sum",
+                       lambda: _replaced(backend_ops, "_tensorflow_row_squared_norms",
+                                         lambda flat: tf.reduce_sum(tf.square(flat), axis=1))),
+}
+
+
+def _traced(model, x, y, switched_off):
+    with switched_off() if switched_off else contextlib.nullcontext():
+        pex = pergrad.PerExample(model, LOSS)
+        pex.norms(x, y)
+        pex.clipped_sum(x, y, 1.0)
+    return pex
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--switch", default="folded", choices=sorted(SWITCHES))
+    parser.add_argument("--model", default="cnn", choices=sorted(MODELS))
+    parser.add_argument("--batch", type=int, default=256)
+    parser.add_argument("--rounds", type=int, default=40)
+    args = parser.parse_args()
+    keras.utils.set_random_seed(0)
+    model = MODELS[args.model]()
+    x, y = (tf.constant(t) for t in batch(args.model, args.batch))
+    step = batch_gradient_fn(model)
+    calls = {"batch gradient": lambda: step(x, y)}
+    with_route, without_route, switch_off = SWITCHES[args.switch]
+    for label, off in ((without_route, switch_off), (with_route, None)):
+        pex = _traced(model, x, y, off)
+        calls[f"{label} norms"] = lambda p=pex: p.norms(x, y)
+        calls[f"{label} clipped_sum"] = lambda p=pex: p.clipped_sum(x, y, 1.0)
+    times = {name: [] for name in calls}
+    for _ in range(args.rounds):
+        for name, call in calls.items():
+            start = time.perf_counter()
+            tf.nest.map_structure(lambda t: np.asarray(t), call())
+            times[name].append(time.perf_counter() - start)
+    base = np.median(times["batch gradient"])
+    print(f"{args.model}, batch {args.batch}, {args.rounds} rounds (medians)")
+    for name, values in times.items():
+        print(f"  {name:24s} {np.median(values) * 1e3:8.2f} ms  {np.median(values) / base:5.2f}x")
+
+
+if __name__ == "__main__":
+    main()
