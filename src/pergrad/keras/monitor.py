@@ -48,9 +48,11 @@ class GradientMonitor(keras.callbacks.Callback):
     """Each example's gradient against the batch gradient, measured inside the training step.
 
     Give it to ``pergrad.keras.PerExampleModel(model, monitor=GradientMonitor(...))``. In the
-    training step the model calls :meth:`compute` with the step's ``PerExampleResult``, so the
-    statistics share its forward and backward pass; they cost one more weighted sum and one
-    dot product per layer (:func:`pergrad.stats.statistics_from_result`). The batch-level scalars
+    training step the model calls :meth:`compute_alongside` with the step's
+    ``PerExampleResult`` and its aggregator, so the statistics share its forward and backward
+    pass, and on a monitored step the update reads the per-example matrices the statistics'
+    norms built instead of computing its own weight pass
+    (:func:`pergrad.stats.statistics_from_result`). The batch-level scalars
     (``batch_gradient_norm``, ``gradient_variance``, ``noise_scale``, ``snr``, ``norm_test``,
     ``inner_product_test``, ``orthogonality_test``, ``gradient_diversity``, ``fraction_opposed``)
     are returned into the training logs, hence the Keras history and the progress bar.

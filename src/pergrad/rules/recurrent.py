@@ -113,10 +113,7 @@ def _gru_step(cell) -> tuple[Step, int]:
             inner_z, inner_r = ops.split(ops.matmul(h_prev, u_gates), 2, axis=-1)
         z = cell.recurrent_activation(x_z + inner_z)
         r = cell.recurrent_activation(x_r + inner_r)
-        if cell.reset_after:
-            candidate = r * inner_h
-        else:
-            candidate = ops.matmul(r * h_prev, u_h)
+        candidate = r * inner_h if cell.reset_after else ops.matmul(r * h_prev, u_h)
         h = z * h_prev + (1 - z) * cell.activation(x_h + candidate)
         return h, (h,), (r,)
 
