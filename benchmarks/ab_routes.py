@@ -7,7 +7,9 @@ a route switched off (``--switch``):
   convolutions take the patch route;
 * ``one_pass_norms``: TensorFlow's per-example squared norms of built per-example matrices sum
   the squares (``Square`` then ``Sum``) instead of squaring one ``EuclideanNorm`` reduction
-  (``pergrad.backend.ops.row_squared_norms``).
+  (``pergrad.backend.ops.row_squared_norms``);
+* ``pairwise_rows``: an embedding table's per-example norms take ``tf.unique`` and two segment
+  sums rather than the pairwise form (``pergrad.rules.cost.rows_pairwise_wins``).
 
 Their norms and clipped sums and the batch gradient are timed alternately, so that both routes
 see the same machine state; medians are printed as ratios to the batch gradient. Nothing here
@@ -32,7 +34,7 @@ from pergrad.backend import ops as backend_ops
 from pergrad.backend.lazy import tensorflow as tf
 from pergrad.bench.engine import LOSS, batch_gradient_fn
 from pergrad.bench.models import MODELS, batch
-from pergrad.rules import conv
+from pergrad.rules import conv, cost
 
 
 @contextlib.contextmanager
@@ -52,6 +54,8 @@ SWITCHES = {
     "one_pass_norms": ("one pass", "square+sum",
                        lambda: _replaced(backend_ops, "_tensorflow_row_squared_norms",
                                          lambda flat: tf.reduce_sum(tf.square(flat), axis=1))),
+    "pairwise_rows": ("pairwise", "unique",
+                      lambda: _replaced(cost, "rows_pairwise_wins", lambda *a, **k: False)),
 }
 
 

@@ -83,7 +83,8 @@ def test_both_routes_give_the_same_norms_and_gram(positions, float64, rng):
 
 @pytest.mark.parametrize("positions", [8, cost.ROWS_PAIRWISE_MAX_POSITIONS + 2])
 def test_embedding_norms_count_repeated_ids_on_every_route(positions, float64, rng):
-    """Rows norms (pairwise on JAX up to ROWS_PAIRWISE_MAX_POSITIONS, sorted beyond, tf.unique on
+    """Rows norms (pairwise on JAX up to ROWS_PAIRWISE_MAX_POSITIONS and on TensorFlow up to
+    ROWS_PAIRWISE_MAX_POSITIONS_TENSORFLOW; beyond, sorted on JAX and PyTorch, tf.unique on
     TensorFlow) against the squared materialized rows; ids repeat within examples."""
     variable = keras.Variable(np.zeros((12, 3)))
     ids = rng.integers(0, 12, size=(5, positions)).astype("int32")

@@ -45,7 +45,8 @@ from pergrad.backend.ops import (
     trace_token,
     zero_rows,
 )
-from pergrad.rules.cost import ROWS_PAIRWISE_MAX_POSITIONS, prefers_ghost, sums_from_matrices
+from pergrad.rules import cost
+from pergrad.rules.cost import prefers_ghost, sums_from_matrices
 
 Tensor = Any
 
@@ -453,11 +454,11 @@ class Rows:
         """``||g_i||^2 = sum_n ||sum_{t: ids_it = n} D_it||^2``: with each example's ids sorted,
         equal ids are neighbours; ``rank_it`` (how many distinct ids precede position ``t``)
         numbers the segments, and segment ``i T + rank_it`` collects id ``n``'s rows."""
+        positions = static_or_none(self.ids.shape[1])
+        if (is_tensorflow() or is_jax()) and cost.rows_pairwise_wins(positions, is_tensorflow()):
+            return self._squared_norms_pairwise()
         if is_tensorflow():
             return self._squared_norms_by_unique()
-        positions = static_or_none(self.ids.shape[1])
-        if is_jax() and positions is not None and positions <= ROWS_PAIRWISE_MAX_POSITIONS:
-            return self._squared_norms_pairwise()
         batch, t = batch_size(self.ids), ops.shape(self.ids)[1]
         order = ops.argsort(self.ids, axis=1)
         ids = ops.take_along_axis(self.ids, order, axis=1)
@@ -473,7 +474,7 @@ class Rows:
     def _squared_norms_pairwise(self) -> Tensor:
         """``||g_i||^2 = sum_{t,s} [ids_it = ids_is] (d_it . d_is) = sum_t d_it . s_it`` with
         ``s_it = sum_s [ids_it = ids_is] d_is`` (the rows that share position ``t``'s id), for
-        short sequences (:data:`pergrad.rules.cost.ROWS_PAIRWISE_MAX_POSITIONS`). Summing the
+        short sequences (:func:`pergrad.rules.cost.rows_pairwise_wins`). Summing the
         rows first beats the Gram of the rows on XLA's CPU backend: 0.61 against 0.81 ms at
         ``B = 256, T = 64, O = 16``, 2.5 against 5.8 ms at ``T = 128, O = 64``."""
         same = ops.cast(ops.equal(self.ids[:, :, None], self.ids[:, None, :]), dtype_of(self.d))
