@@ -92,11 +92,29 @@ def require_64_bit_keys() -> None:
             "array or model is made (without it a key's 62-bit seed would be truncated).")
 
 
+#: Bits of the uniform behind each Box-Muller radius: ``u = (k + 1/2) 2^-53`` for a 53-bit
+#: integer ``k``, so ``r = sqrt(-2 ln u) <= sqrt(2 * 54 ln 2) = 8.65`` standard deviations.
+RADIUS_BITS = 53
+
+
 def gaussian_noise(key, values: list, stddev: float) -> list:
     """``N(0, stddev^2 I)`` shaped like each of ``values``, one independent draw per tensor,
     all derived from the one ``key`` (stateless: the same key gives the same numbers).
 
-    TensorFlow: ``stateless_normal`` with keys from ``stateless_split``. JAX: a threefry key
+    Every backend draws by the Box-Muller transform from a key per tensor: with ``u`` uniform
+    on ``(0, 1)`` and ``a`` uniform on ``[0, 1)``, ``r = sqrt(-2 ln u)`` and
+    ``(r cos 2 pi a, r sin 2 pi a)`` are two independent standard normals. ``u`` has
+    :data:`RADIUS_BITS` random bits and its logarithm is taken in float64, so a draw reaches
+    8.65 standard deviations (its tail is cut where ``P(|Z| > 8.65) = 5e-18``). The
+    samplers of the frameworks stop much earlier: TensorFlow's ``stateless_normal`` clamps
+    its uniform at ``1e-7`` (no draw beyond 5.68, in float32 and float64 alike), JAX's
+    float32 ``normal`` inverts a 23-bit uniform (about 5.4). Beyond that cut the Gaussian
+    mechanism's privacy loss is unbounded: with clipping norm ``C`` and noise ``sigma C``, an
+    example that moves one coordinate by ``C`` is revealed with probability
+    ``P(Z > cut - 1/sigma)`` per release (``9e-7`` for TensorFlow's cut at ``sigma = 1.1``,
+    ``5e-15`` for this one), which the accountant does not count in ``delta``.
+
+    TensorFlow: ``stateless_uniform`` keys from ``stateless_split``. JAX: a threefry key
     folded from the 62-bit seed and the 64-bit counter, split per tensor. Inside a JAX trace
     the key must be traced too: a key that is a constant of the trace would be the same at
     every call of the compiled function, i.e. the same noise at every step."""
@@ -105,9 +123,34 @@ def gaussian_noise(key, values: list, stddev: float) -> list:
     if backend.is_torch():
         return _torch_gaussian_noise(key, values, stddev)
     import tensorflow as tf
+
     keys = split(key, len(values))
-    return [tf.random.stateless_normal(tf.shape(v), keys[k], stddev=stddev, dtype=v.dtype)
+    return [stddev * _tensorflow_normal(v.shape if v.shape.is_fully_defined() else tf.shape(v),
+                                        keys[k], keras.backend.standardize_dtype(v.dtype))
             for k, v in enumerate(values)]
+
+
+def _tensorflow_normal(shape, key, dtype: str) -> Any:
+    """Standard normals of ``shape`` from ``key`` by :func:`gaussian_noise`'s Box-Muller
+    transform (faster than ``stateless_normal`` on this CPU: 4.5 against 4.8 ms for 665,600
+    float32 values). Angles and products in float32 (float64 for float64 values); half
+    precision is cast from float32."""
+    import tensorflow as tf
+
+    if not isinstance(shape, tf.Tensor):
+        shape = tf.TensorShape(shape).as_list()
+    count = tf.reduce_prod(shape)
+    pairs = (count + 1) // 2
+    radius_key, angle_key = tf.unstack(split(key, 2))
+    words = tf.random.stateless_uniform([pairs], radius_key, minval=None, maxval=None,
+                                        dtype=tf.uint64)
+    k = tf.cast(tf.bitwise.right_shift(words, 64 - RADIUS_BITS), tf.float64)
+    u = (k + 0.5) * 2.0 ** -RADIUS_BITS  # in (0, 1]
+    wide = tf.float64 if dtype == "float64" else tf.float32
+    radius = tf.cast(tf.sqrt(-2.0 * tf.math.log(u)), wide)
+    angle = (2.0 * np.pi) * tf.random.stateless_uniform([pairs], angle_key, dtype=wide)
+    normals = tf.concat([radius * tf.cos(angle), radius * tf.sin(angle)], axis=0)[:count]
+    return tf.cast(tf.reshape(normals, shape), dtype)
 
 
 def _jax_gaussian_noise(key, values: list, stddev: float) -> list:
@@ -131,12 +174,35 @@ def _jax_gaussian_noise(key, values: list, stddev: float) -> list:
     base = jax.random.wrap_key_data(jnp.stack(words[:2]), impl="threefry2x32")
     base = jax.random.fold_in(jax.random.fold_in(base, words[2]), words[3])
     keys = jax.random.split(base, len(values))
-    return [stddev * jax.random.normal(keys[k], v.shape, v.dtype) for k, v in enumerate(values)]
+    return [stddev * _jax_normal(keys[k], v.shape, v.dtype) for k, v in enumerate(values)]
+
+
+def _jax_normal(key, shape: tuple, dtype) -> Any:
+    """JAX's draw of :func:`gaussian_noise`'s Box-Muller transform (64-bit words for the
+    radius: ``jax_enable_x64`` is on for DP noise). The sine half is the cosine a quarter turn
+    back, so one broadcast product makes both halves: concatenating two products made XLA's
+    CPU draw 8.5 ms for 670,000 float32 values, this 6.7-6.9, ``jax.random.normal`` 3.5 in
+    float32 (cut near 5.4) and 7.1 in float64 (cut at 8.29)."""
+    import jax
+    import jax.numpy as jnp
+
+    count = int(np.prod(shape))
+    pairs = (count + 1) // 2
+    radius_key, angle_key = jax.random.split(key)
+    words = jax.random.bits(radius_key, (pairs,), jnp.uint64)
+    u = ((words >> (64 - RADIUS_BITS)).astype(jnp.float64) + 0.5) * 2.0 ** -RADIUS_BITS
+    wide = jnp.float64 if jnp.dtype(dtype) == jnp.float64 else jnp.float32
+    radius = jnp.sqrt(-2.0 * jnp.log(u)).astype(wide)
+    angle = jax.random.uniform(angle_key, (pairs,), wide)
+    quarter = jnp.asarray([0.0, 0.25], wide)[:, None]  # cos 2 pi (a - 1/4) = sin 2 pi a
+    normals = radius[None, :] * jnp.cos((2.0 * np.pi) * (angle[None, :] - quarter))
+    return normals.reshape(-1)[:count].reshape(shape).astype(dtype)
 
 
 def _torch_gaussian_noise(key, values: list, stddev: float) -> list:
-    """PyTorch: TensorFlow's ``stateless_normal`` with the same split keys (the same numbers as
-    on TensorFlow for the same key), drawn on the host and copied to each value's device."""
+    """PyTorch: TensorFlow's draw (:func:`_tensorflow_normal`) with the same split keys (the
+    same numbers as on TensorFlow for the same key), made on the host and copied to each
+    value's device."""
     import tensorflow as tf
     import torch
 
@@ -145,12 +211,11 @@ def _torch_gaussian_noise(key, values: list, stddev: float) -> list:
     out = []
     for k, v in enumerate(values):
         dtype = keras.backend.standardize_dtype(v.dtype)
-        # NumPy has no bfloat16 torch can read: half precision is drawn as TF draws it, then
-        # cast in torch.
+        # NumPy has no bfloat16 torch can read: half precision is drawn in float32 and cast
+        # in torch.
         wide = "float32" if dtype in ("float16", "bfloat16") else dtype
-        draw = tf.random.stateless_normal(list(v.shape), keys[k], stddev=stddev,
-                                          dtype=tf.as_dtype(dtype))
-        draw = torch.from_numpy(tf.cast(draw, wide).numpy())
+        draw = stddev * _tensorflow_normal(list(v.shape), keys[k], wide)
+        draw = torch.from_numpy(draw.numpy())
         out.append(draw.to(device=v.device, dtype=v.dtype))
     return out
 
