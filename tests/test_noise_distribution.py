@@ -4,7 +4,7 @@ The Gaussian mechanism's accounting assumes untruncated noise; a sampler that ca
 ``cut`` standard deviations reveals an example whose clipped gradient moves one coordinate by
 ``C`` with probability ``P(Z > cut - 1/sigma)`` per release, which no accountant counts.
 TensorFlow's ``stateless_normal`` stops at 5.68 (it clamps its uniform at 1e-7), JAX's float32
-``normal`` near 5.4; pergrad's Box-Muller draw (:func:`pergrad.aggregate.noise.gaussian_noise`)
+``normal`` at +5.22 and -5.42; pergrad's Box-Muller draw (:func:`pergrad.aggregate.noise.gaussian_noise`)
 reaches ``sqrt(2 * 54 ln 2) = 8.65``.
 """
 

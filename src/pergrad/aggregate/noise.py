@@ -102,13 +102,13 @@ def gaussian_noise(key, values: list, stddev: float) -> list:
     all derived from the one ``key`` (stateless: the same key gives the same numbers).
 
     Every backend draws by the Box-Muller transform from a key per tensor: with ``u`` uniform
-    on ``(0, 1)`` and ``a`` uniform on ``[0, 1)``, ``r = sqrt(-2 ln u)`` and
+    on ``(0, 1]`` and ``a`` uniform on ``[0, 1)``, ``r = sqrt(-2 ln u)`` and
     ``(r cos 2 pi a, r sin 2 pi a)`` are two independent standard normals. ``u`` has
     :data:`RADIUS_BITS` random bits and its logarithm is taken in float64, so a draw reaches
     8.65 standard deviations (its tail is cut where ``P(|Z| > 8.65) = 5e-18``). The
     samplers of the frameworks stop much earlier: TensorFlow's ``stateless_normal`` clamps
     its uniform at ``1e-7`` (no draw beyond 5.68, in float32 and float64 alike), JAX's
-    float32 ``normal`` inverts a 23-bit uniform (about 5.4). Beyond that cut the Gaussian
+    float32 ``normal`` inverts a 23-bit uniform (+5.22, -5.42). Beyond that cut the Gaussian
     mechanism's privacy loss is unbounded: with clipping norm ``C`` and noise ``sigma C``, an
     example that moves one coordinate by ``C`` is revealed with probability
     ``P(Z > cut - 1/sigma)`` per release (``9e-7`` for TensorFlow's cut at ``sigma = 1.1``,
@@ -182,7 +182,7 @@ def _jax_normal(key, shape: tuple, dtype) -> Any:
     radius: ``jax_enable_x64`` is on for DP noise). The sine half is the cosine a quarter turn
     back, so one broadcast product makes both halves: concatenating two products made XLA's
     CPU draw 8.5 ms for 670,000 float32 values, this 6.7-6.9, ``jax.random.normal`` 3.5 in
-    float32 (cut near 5.4) and 7.1 in float64 (cut at 8.29)."""
+    float32 (cut at 5.22) and 7.1 in float64 (cut at 8.29)."""
     import jax
     import jax.numpy as jnp
 
