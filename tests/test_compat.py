@@ -123,3 +123,28 @@ def test_held_value_and_autocast_scope():
     plain.build((None, 3))
     with _compat.autocast_scope(plain):
         assert keras.backend.standardize_dtype(plain.kernel.value.dtype) == "float32"
+
+
+def test_row_squared_norms_and_their_gradient_on_every_route():
+    """``backend.ops.row_squared_norms``: TensorFlow's one-pass ``EuclideanNorm`` route (plain
+    ``tf.function``) and the summed squares (``jit_compile=True``, where XLA has no
+    ``EuclideanNorm``) against NumPy in float64, and the gradient ``2 t``, finite at a zero row
+    (the square of a square root would give NaN there)."""
+    from pergrad.backend.ops import row_squared_norms
+
+    t = np.random.default_rng(0).normal(size=(4, 3, 5))
+    t[2] = 0.0
+    expected = np.sum(t.reshape(4, -1) ** 2, axis=1)
+    for jit in (False, True):
+        @tf.function(jit_compile=jit)
+        def norms_and_gradient(x):
+            with tf.GradientTape() as tape:
+                tape.watch(x)
+                squared = row_squared_norms(x)
+                total = tf.reduce_sum(squared * tf.range(1.0, 5.0, dtype=x.dtype))
+            return squared, tape.gradient(total, x)
+
+        squared, gradient = norms_and_gradient(tf.constant(t))
+        np.testing.assert_allclose(squared.numpy(), expected, rtol=1e-12)
+        np.testing.assert_allclose(gradient.numpy(),
+                                   2 * t * np.arange(1.0, 5.0)[:, None, None], rtol=1e-12)

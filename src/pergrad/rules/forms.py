@@ -33,7 +33,7 @@ from typing import Any, Protocol, runtime_checkable
 
 from keras import ops
 
-from pergrad.backend import is_jax, is_tensorflow
+from pergrad.backend import is_tensorflow, is_torch
 from pergrad.backend.ops import (
     add_n,
     batch_size,
@@ -455,7 +455,7 @@ class Rows:
         equal ids are neighbours; ``rank_it`` (how many distinct ids precede position ``t``)
         numbers the segments, and segment ``i T + rank_it`` collects id ``n``'s rows."""
         positions = static_or_none(self.ids.shape[1])
-        if (is_tensorflow() or is_jax()) and cost.rows_pairwise_wins(positions, is_tensorflow()):
+        if not is_torch() and cost.rows_pairwise_wins(positions, tensorflow=is_tensorflow()):
             return self._squared_norms_pairwise()
         if is_tensorflow():
             return self._squared_norms_by_unique()
