@@ -4,8 +4,9 @@ The Gaussian mechanism's accounting assumes untruncated noise; a sampler that ca
 ``cut`` standard deviations reveals an example whose clipped gradient moves one coordinate by
 ``C`` with probability ``P(Z > cut - 1/sigma)`` per release, which no accountant counts.
 TensorFlow's ``stateless_normal`` stops at 5.68 (it clamps its uniform at 1e-7), JAX's float32
-``normal`` at +5.22 and -5.42; pergrad's Box-Muller draw (:func:`pergrad.aggregate.noise.gaussian_noise`)
-reaches ``sqrt(2 * 54 ln 2) = 8.65``.
+``normal`` at +5.22 and -5.42. pergrad's draw (:func:`pergrad.aggregate.noise.gaussian_noise`)
+reaches ``sqrt(2 * 54 ln 2) = 8.65`` by the Box-Muller transform (TensorFlow, PyTorch) and
+``-ndtri(2^-65) = 9.16`` by the inverse CDF (JAX).
 """
 
 from __future__ import annotations
@@ -15,14 +16,15 @@ import math
 import keras
 import numpy as np
 import pytest
-from scipy import stats
+from scipy import special, stats
 
 from pergrad import backend
 from pergrad.aggregate import noise
 
 pytestmark = pytest.mark.all_backends
 
-CUT = math.sqrt(2 * (noise.RADIUS_BITS + 1) * math.log(2))
+BOX_MULLER_CUT = math.sqrt(2 * (noise.RADIUS_BITS + 1) * math.log(2))
+INVERSE_CDF_CUT = -float(special.ndtri(2.0 ** -(noise.INVERSE_CDF_BITS + 2)))
 
 
 def _key(counter: int):
@@ -43,7 +45,7 @@ def test_noise_is_normal_with_the_given_stddev():
     assert abs(z.mean()) < 4 / math.sqrt(z.size)
     assert abs(z.std() - 1) < 0.01
     assert stats.kstest(z, "norm").pvalue > 1e-4
-    # The cosine and sine halves of the pairs are independent normals too.
+    # The two halves are independent normals too (Box-Muller's cosine and sine halves).
     half = z.size // 2
     assert abs(np.corrcoef(z[:half], z[half:2 * half])[0, 1]) < 4 / math.sqrt(half)
     again = _draw([np.zeros((300, 1001), "float32")], 2.0)[0]
@@ -59,25 +61,32 @@ def test_noise_has_the_value_dtype(dtype):
     assert 0.9 < float(np.std(drawn.astype(np.float64))) < 1.1
 
 
-def test_the_radius_reaches_the_far_tail(monkeypatch):
-    """Every radius word 0 (the smallest uniform) and every angle 0: the cosine half is the
-    largest value the sampler can draw, the sine half 0."""
+def test_the_draw_reaches_the_far_tail(monkeypatch):
+    """The smallest uniform the sampler can draw gives its largest value.
+
+    Box-Muller (TensorFlow, PyTorch): every radius word 0 and every angle 0, so the cosine
+    half is the largest value and the sine half 0. Inverse CDF (JAX): every word 0 (``v``
+    smallest, sign bit 0) gives the most negative value, every word 1 (sign bit 1) the most
+    positive one, every word all ones ``v`` nearest 1/2, i.e. 0."""
     if backend.is_jax():
         import jax
         import jax.numpy as jnp
 
-        monkeypatch.setattr(jax.random, "bits",
-                            lambda key, shape, dtype: jnp.zeros(shape, dtype))
-        monkeypatch.setattr(jax.random, "uniform",
-                            lambda key, shape, dtype: jnp.zeros(shape, dtype))
-    else:  # TensorFlow, and PyTorch, which draws TensorFlow's numbers
-        import tensorflow as tf
+        for word, expected in [(0, -INVERSE_CDF_CUT), (1, INVERSE_CDF_CUT), (2**64 - 1, 0.0)]:
+            monkeypatch.setattr(jax.random, "bits",
+                                lambda key, shape, dtype, word=word: jnp.full(shape, word, dtype))
+            for dtype, rtol in [("float64", 1e-12), ("float32", 1e-6)]:
+                (drawn,) = _draw([np.zeros((4, 3), dtype)], 1.0)
+                np.testing.assert_allclose(drawn, expected, rtol=rtol, atol=1e-7)
+        assert INVERSE_CDF_CUT > 9.1
+        return
+    import tensorflow as tf  # TensorFlow, and PyTorch, which draws TensorFlow's numbers
 
-        monkeypatch.setattr(tf.random, "stateless_uniform",
-                            lambda shape, seed, minval=0, maxval=None, dtype=tf.float32:
-                            tf.zeros(shape, dtype))
+    monkeypatch.setattr(tf.random, "stateless_uniform",
+                        lambda shape, seed, minval=0, maxval=None, dtype=tf.float32:
+                        tf.zeros(shape, dtype))
     (drawn,) = _draw([np.zeros((4, 3), "float64")], 1.0)
     flat = drawn.ravel()
-    np.testing.assert_allclose(flat[:6], CUT, rtol=1e-12)
+    np.testing.assert_allclose(flat[:6], BOX_MULLER_CUT, rtol=1e-12)
     np.testing.assert_allclose(flat[6:], 0.0, atol=1e-12)
-    assert CUT > 8.6
+    assert BOX_MULLER_CUT > 8.6
