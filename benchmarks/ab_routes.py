@@ -9,7 +9,12 @@ a route switched off (``--switch``):
   the squares (``Square`` then ``Sum``) instead of squaring one ``EuclideanNorm`` reduction
   (``pergrad.backend.ops.row_squared_norms``);
 * ``pairwise_rows``: an embedding table's per-example norms take ``tf.unique`` and two segment
-  sums rather than the pairwise form (``pergrad.rules.cost.rows_pairwise_wins``).
+  sums rather than the pairwise form (``pergrad.rules.cost.rows_pairwise_wins``);
+* ``shifted_ghost``: a stride-1 convolution's norms alone take its per-example products
+  rather than the shifted Gram of its input (``pergrad.rules.cost.shifted_ghost_wins``).
+
+``folded``, ``one_pass_norms`` and ``pairwise_rows`` are TensorFlow routes; ``shifted_ghost``
+runs on JAX too (``KERAS_BACKEND=jax``, against JAX's jitted batch gradient).
 
 Their norms and clipped sums and the batch gradient are timed alternately, so that both routes
 see the same machine state; medians are printed as ratios to the batch gradient. Nothing here
@@ -18,6 +23,7 @@ asserts on timings.
     python benchmarks/ab_routes.py                        # folded, the benchmark CNN, batch 256
     python benchmarks/ab_routes.py --model cnn --batch 64 --rounds 40
     python benchmarks/ab_routes.py --switch one_pass_norms --model text_cnn
+    KERAS_BACKEND=jax python benchmarks/ab_routes.py --switch shifted_ghost --model text_cnn
 """
 
 from __future__ import annotations
@@ -32,7 +38,7 @@ import numpy as np
 import pergrad
 from pergrad.backend import ops as backend_ops
 from pergrad.backend.lazy import tensorflow as tf
-from pergrad.bench.engine import LOSS, batch_gradient_fn
+from pergrad.bench.engine import LOSS
 from pergrad.bench.models import MODELS, batch
 from pergrad.rules import conv, cost
 
@@ -56,7 +62,25 @@ SWITCHES = {
                                          lambda flat: tf.reduce_sum(tf.square(flat), axis=1))),
     "pairwise_rows": ("pairwise", "unique",
                       lambda: _replaced(cost, "rows_pairwise_wins", lambda *a, **k: False)),
+    "shifted_ghost": ("shifted ghost", "products",
+                      lambda: _replaced(conv, "shifted_ghost_wins", lambda *a, **k: False)),
 }
+
+
+def _batch_gradient(model, x, y):
+    """The batch gradient as a call of no arguments: TensorFlow's ``tf.function`` or JAX's
+    jitted ``grad`` of the summed loss."""
+    if keras.backend.backend() == "jax":
+        from pergrad.bench.jax_engine import _baselines
+
+        values = [v.value for v in model.trainable_variables]
+        frozen = [v.value for v in model.non_trainable_variables]
+        grad = _baselines(model)[0]
+        return lambda: grad(values, frozen, x, y)
+    from pergrad.bench.engine import batch_gradient_fn
+
+    step = batch_gradient_fn(model)
+    return lambda: step(x, y)
 
 
 def _traced(model, x, y, switched_off):
@@ -76,9 +100,8 @@ def main() -> None:
     args = parser.parse_args()
     keras.utils.set_random_seed(0)
     model = MODELS[args.model]()
-    x, y = (tf.constant(t) for t in batch(args.model, args.batch))
-    step = batch_gradient_fn(model)
-    calls = {"batch gradient": lambda: step(x, y)}
+    x, y = (keras.ops.convert_to_tensor(t) for t in batch(args.model, args.batch))
+    calls = {"batch gradient": _batch_gradient(model, x, y)}
     with_route, without_route, switch_off = SWITCHES[args.switch]
     for label, off in ((without_route, switch_off), (with_route, None)):
         pex = _traced(model, x, y, off)
@@ -88,7 +111,7 @@ def main() -> None:
     for _ in range(args.rounds):
         for name, call in calls.items():
             start = time.perf_counter()
-            tf.nest.map_structure(lambda t: np.asarray(t), call())
+            keras.tree.map_structure(np.asarray, call())
             times[name].append(time.perf_counter() - start)
     base = np.median(times["batch gradient"])
     print(f"{args.model}, batch {args.batch}, {args.rounds} rounds (medians)")

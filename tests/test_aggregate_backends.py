@@ -84,5 +84,5 @@ def test_dp_noise_has_the_calibrated_size_and_is_fresh_at_every_call(case):
     assert abs(calls.std() / (clip * sigma / len(flat)) - 1) < 0.08, calls.std()
     # A new key at each call: consecutive draws are uncorrelated (a repeat would give 1; each
     # correlation's standard error is 1/sqrt(107) = 0.1).
-    correlations = [np.corrcoef(a, b)[0, 1] for a, b in zip(calls[:-1], calls[1:])]
+    correlations = [np.corrcoef(a, b)[0, 1] for a, b in zip(calls[:-1], calls[1:], strict=True)]
     assert max(np.abs(correlations)) < 0.5, correlations

@@ -131,6 +131,62 @@ def test_products_by_offset_in_every_reduction(name, float64):
         assert_close(g, e, what=f"gradients {v.path}")
 
 
+@pytest.mark.parametrize("name", ["1d_valid", "1d_causal_dilated", "2d_same", "2d_dilated_valid",
+                                  "3d_channels_first", "3d_same"])
+def test_shifted_ghost_norms_match_loop_oracle(name, float64, monkeypatch):
+    """Norms alone by the shifted Gram of the input (``ghost_norms``, forced here: the cost
+    model takes it on larger layers), and every reduction after those norms (Gram matrix,
+    weighted sums, dots, gradients), against the loop oracle. A clipped sum's norms
+    (``then_summed``) take the per-example products instead, and read them for the sum."""
+    from pergrad.rules import conv
+
+    monkeypatch.setattr(conv, "shifted_ghost_wins", lambda *args: True)
+    model, layer, rule, x, y = _case(name)
+    form = _kernel_form(model, layer, x, y)
+    assert form.ghost_norms is not None
+    assert_rule_matches_oracle(model, layer, rule, x, y)
+
+    expected, _ = loop_gradients(model, keras_loss(zoo.SCCE), x, y)
+    flat = np.concatenate([e.reshape(B, -1) for e in expected], axis=1)
+    index = [v.path for v in model.trainable_variables].index(layer.kernel.path)
+    kernel_norms = np.sum(expected[index].reshape(B, -1) ** 2, axis=1)
+    assert_close(form.squared_norms(), kernel_norms, what="ghost squared norms")
+    assert_close(form.squared_norms(then_summed=True), kernel_norms, what="products' norms")
+
+    rng = np.random.default_rng(11)
+    c = rng.normal(size=B)
+    vectors = [rng.normal(size=v.shape) for v in model.trainable_variables]
+    pex = pergrad.PerExample(model, zoo.SCCE)
+
+    def body(x, y, w, c, vectors):
+        result = pex.compute(x, y, w)
+        return (result.norms(), result.gram(), result.weighted_sum(c), result.dots(vectors),
+                result.gradients())
+
+    norms, gram, sums, dots, grads = pex.compiled("ghost", body)(
+        *pex.prepare(x, y), keras.ops.convert_to_tensor(c, "float64"),
+        [keras.ops.convert_to_tensor(v) for v in vectors])
+    assert_close(norms, np.linalg.norm(flat, axis=1), what="norms")
+    assert_close(gram, flat @ flat.T, what="gram")
+    for g, e in zip(sums, expected, strict=True):
+        assert_close(g, np.tensordot(c, e, axes=1), what="weighted sum")
+    for g, e, v in zip(dots, expected, vectors, strict=True):
+        assert_close(g, e.reshape(B, -1) @ v.ravel(), what="dots")
+    for g, e in zip(grads, expected, strict=True):
+        assert_close(g, e, what="gradients")
+
+
+def test_shifted_ghost_cost_model():
+    from pergrad.rules.cost import shifted_ghost_cost, shifted_ghost_wins
+
+    # The text CNN's Conv1D: 128 input positions, 124 outputs, 64 -> 128 channels, kernel 5.
+    assert shifted_ghost_cost(128, 124, 64, 128, 5) == 128**2 * 64 + 124**2 * (128 + 5)
+    assert shifted_ghost_wins(128, 124, 64, 128, 5)
+    assert shifted_ghost_wins(100, 64, 128, 128, 9)  # 8x8x128, 3x3 "same"
+    assert not shifted_ghost_wins(34 * 34, 32 * 32, 32, 32, 9)  # 32x32x32: T^2 dominates
+    assert not shifted_ghost_wins(None, 124, 64, 128, 5)
+
+
 @pytest.mark.parametrize("name", sorted(FOLDED))
 def test_folded_route_matches_loop_oracle(name, float64):
     """Products from the input folded by the strides: the route is taken on TensorFlow (the

@@ -175,7 +175,7 @@ def linear_local(coefficients: Callable[[list, Batch], Any], needs_norms: bool):
     def local(result, batch: Batch) -> Partial:
         rows = ops.cast(result.batch_size, result.norm_dtype)
         if needs_norms:
-            squared = result.squared_norms()
+            squared = result.squared_norms(then_summed=True)
             return _linear_with_norms(result, batch, squared, rows)
         ones = ops.ones([result.batch_size], result.norm_dtype)
         sums = result.weighted_sum(coefficients(None, batch) * ones)
@@ -186,7 +186,8 @@ def linear_local(coefficients: Callable[[list, Batch], Any], needs_norms: bool):
 
         def slow():  # rebuilt: only this branch, taken on a non-finite sum, needs norms
             inner = result.rebuilt()
-            partial = _linear_with_norms(inner, batch, inner.squared_norms(), rows)
+            partial = _linear_with_norms(inner, batch, inner.squared_norms(then_summed=True),
+                                         rows)
             return list(partial.values), partial.dropped
 
         values, dropped = ops.cond(finite, fast, slow)
@@ -214,7 +215,7 @@ def gathering_local(result, batch: Batch, with_examples: bool = False) -> Partia
     rows = ops.cast(result.batch_size, result.norm_dtype)
     if _static_value(result.batch_size) == 0:
         require_rows(rows, "gathering (median, trimmed_mean, custom)")
-    squared = result.squared_norms()
+    squared = result.squared_norms(then_summed=True)
     keep = finite_examples(result, squared, batch)
     dropped = ops.sum(1.0 - ops.cast(keep, rows.dtype))
     include = ops.logical_and(keep, batch.nonzero_weight)

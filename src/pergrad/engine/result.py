@@ -8,7 +8,14 @@ from typing import Any
 from keras import ops
 
 from pergrad.backend.ops import add_n, batch_size, dtype_of
-from pergrad.rules.forms import Form, Scaled, dots_many, rebuilt, weighted_sums
+from pergrad.rules.forms import (
+    Form,
+    Scaled,
+    dots_many,
+    rebuilt,
+    squared_norms_of,
+    weighted_sums,
+)
 
 
 @dataclass
@@ -47,17 +54,24 @@ class PerExampleResult:
             for v, f in zip(self.variables, self.forms, strict=True)
         ]
 
-    def squared_norms(self) -> list:
-        """Per variable, ``||g_i[var]||^2`` of shape ``(B,)``."""
+    def squared_norms(self, then_summed: bool = False) -> list:
+        """Per variable, ``||g_i[var]||^2`` of shape ``(B,)``.
+
+        ``then_summed``: weighted sums or dots of this result follow (clipping, statistics).
+        A form with a cheaper route for norms alone (a convolution's shifted ghost norms,
+        :class:`pergrad.rules.forms.Factored`) then builds the per-example matrices that
+        the sums read instead."""
         dtype = self.norm_dtype
         return [
-            ops.zeros([self.batch_size], dtype) if f is None else ops.cast(f.squared_norms(), dtype)
+            ops.zeros([self.batch_size], dtype) if f is None
+            else ops.cast(squared_norms_of(f, then_summed), dtype)
             for f in self.forms
         ]
 
-    def norms(self) -> Any:
-        """``||g_i||``: the L2 norm of each example's whole gradient, ``(B,)``."""
-        return ops.sqrt(add_n(self.squared_norms()))
+    def norms(self, then_summed: bool = False) -> Any:
+        """``||g_i||``: the L2 norm of each example's whole gradient, ``(B,)``
+        (``then_summed``: see :meth:`squared_norms`)."""
+        return ops.sqrt(add_n(self.squared_norms(then_summed)))
 
     def dots(self, vectors: list) -> list:
         """Per variable, ``<g_i[var], v[var]>`` of shape ``(B,)``."""
@@ -158,3 +172,4 @@ class PerExampleResult:
         forms = [None if f is None else Scaled(f, factor) for f in self.forms]
         losses = self.losses * ops.cast(factor, dtype_of(self.losses))
         return PerExampleResult(self.variables, forms, losses, self.predictions)
+

@@ -21,6 +21,7 @@ from keras import ops
 
 from pergrad.backend import is_jax, is_tensorflow
 from pergrad.backend.ops import (
+    add_n,
     batch_size,
     map_in_chunks,
     matmul_ta,
@@ -34,6 +35,7 @@ from pergrad.rules.cost import (
     examples_per_chunk,
     folded_products_win,
     prefers_ghost,
+    shifted_ghost_wins,
     shifted_products_win,
 )
 from pergrad.rules.forms import Factored, Materialized, positions
@@ -178,6 +180,11 @@ def _kernel_form(layer, x, d) -> Factored:
     if shifted and not prefers_ghost(static_or_none(t), k * c_in, c_out):
         def per_example():
             return _shifted_products(layer, x, d)
+    ghost_norms = None
+    if per_example is not None and static and shifted_ghost_wins(
+            _read_positions(layer, x), static_or_none(t), c_in, c_out, k):
+        def ghost_norms():  # norms alone; norms then sums read the products
+            return _shifted_ghost_norms(layer, x, d)
     if shifted and summed is None:  # the GEMM over shifted slices, not over patches
         def summed(coefficients):
             return _shifted_sum(layer, x, d * ops.cast(coefficients, d.dtype)[
@@ -187,7 +194,7 @@ def _kernel_form(layer, x, d) -> Factored:
         return _kernel_form(layer, zero_rows(x, keep), zero_rows(d, keep))
 
     return Factored(layer.kernel, a, dd, natural, summed=summed, per_example=per_example,
-                    remake=remake)
+                    remake=remake, ghost_norms=ghost_norms)
 
 
 def _folded_kernel_form(layer, x, d) -> Factored:
@@ -287,6 +294,59 @@ def _shifted_products(layer, x, d):
         return map_in_chunks(lambda xc, dc: _chunk_patch_products(layer, xc, dc), (x, d),
                              examples_per_chunk(per_example))
     return _products_by_offset(_shifted_offsets(layer, x), d)
+
+
+def _read_input(layer, x):
+    """``x`` padded as the layer pads it and cut to the span its outputs read (stride 1)."""
+    padded, sizes = pad_input(x, layer.kernel_size, layer.strides, layer.dilation_rate,
+                              layer.padding)
+    spans = [n + (k - 1) * r for n, k, r in zip(sizes, layer.kernel_size,
+                                                 layer.dilation_rate, strict=True)]
+    return padded[(slice(None), *[slice(0, span) for span in spans], slice(None))], sizes
+
+
+def _read_positions(layer, x) -> int:
+    """Positions per example of :func:`_read_input` (static spatial sizes)."""
+    spans = []
+    for n, k, r in zip(x.shape[1:-1], layer.kernel_size, layer.dilation_rate, strict=True):
+        out = _padding_and_size(n, k, 1, r, layer.padding)[2]
+        spans.append(out + (k - 1) * r)
+    return math.prod(spans)
+
+
+def _shifted_ghost_norms(layer, x, d):
+    """``||g_i||^2`` of a stride-1 convolution's kernel without its per-example products:
+
+        ||sum_t p_t d_t^T||^2 = sum_{t,s} (p_t . p_s)(d_t . d_s),
+        p_t . p_s = sum_K x[t + K r] . x[s + K r]
+
+    so the patches' Gram is the sum, over the kernel offsets ``K``, of windows of the input's
+    own Gram ``X X^T`` shifted by ``K r`` along both position axes (:func:`pergrad.rules.cost.
+    shifted_ghost_cost`). On JAX the examples go in chunks (``lax.map``) of about
+    :data:`pergrad.rules.cost.CHUNK_BYTES` of Gram matrices."""
+    padded, sizes = _read_input(layer, x)
+    spans = list(padded.shape[1:-1])
+    t_in, t_out = math.prod(spans), math.prod(sizes)
+    c_in, c_out = x.shape[-1], d.shape[-1]
+
+    def norms(xc, dc):
+        b = batch_size(xc)
+        flat = ops.reshape(xc, [b, t_in, c_in])
+        gram_x = ops.reshape(ops.einsum("btc,bsc->bts", flat, flat), [b, *spans, *spans])
+        windows = []
+        for offset in itertools.product(*[range(k) for k in layer.kernel_size]):
+            cut = [slice(o * r, o * r + n) for o, r, n in zip(offset, layer.dilation_rate,
+                                                              sizes, strict=True)]
+            windows.append(gram_x[(slice(None), *cut, *cut)])
+        gram_p = ops.reshape(add_n(windows), [b, t_out, t_out])
+        flat_d = ops.reshape(dc, [b, t_out, c_out])
+        gram_d = ops.einsum("bto,bso->bts", flat_d, flat_d)
+        return ops.sum(gram_p * gram_d, axis=[1, 2])
+
+    if not is_jax():
+        return norms(padded, d)
+    per_example = (t_in * t_in + 2 * t_out * t_out) * x.dtype.itemsize
+    return map_in_chunks(norms, (padded, d), examples_per_chunk(per_example))
 
 
 def _chunk_patch_products(layer, x, d):

@@ -66,7 +66,11 @@ class Factored:
     blocks ``(B, G, O, I_k)`` whose concatenation along ``I`` they are (a convolution's one
     product per kernel offset: the norms, dots and sums read the blocks, and only
     ``materialize`` writes the concatenation); norms, dots and Gram matrices then always take
-    the materialized route. ``remake``, when given, rebuilds the
+    the materialized route. ``ghost_norms``, when given beside ``per_example``, computes the
+    per-example squared norms alone by a ghost route the rule knows to be cheaper (a stride-1
+    convolution's shifted Gram of its input): ``squared_norms()`` takes it, and dots and
+    weighted sums after it read ``a`` and ``d`` (or ``summed``); ``squared_norms(then_summed=
+    True)`` builds the per-example matrices instead, which the sums then read. ``remake``, when given, rebuilds the
     form from the layer's inputs with the rows of examples where ``keep`` is false zeroed
     (``remake(keep)``); :meth:`masked` then uses it, so a masked form computed inside a
     conditional reads only the layer's input and output gradient, not tensors (patches) that
@@ -83,6 +87,7 @@ class Factored:
     summed: Callable[[Tensor], Tensor] | None = None
     per_example: Callable[[], Tensor] | None = None
     remake: Callable[[Tensor], Factored] | None = None
+    ghost_norms: Callable[[], Tensor] | None = None
     _matrices: tuple | None = field(default=None, init=False, repr=False, compare=False)
     _matrices_traced: bool = field(default=False, init=False, repr=False, compare=False)
 
@@ -192,14 +197,24 @@ class Factored:
 
     def _materializing(self) -> bool:
         """Whether norms and dots go through the per-example matrices (``T I O`` per example)
-        rather than the ghost Gram form (``T^2 (I + O)``): :func:`pergrad.rules.cost.prefers_ghost`."""
+        rather than a ghost form: the rule's own ``ghost_norms``, else the Gram form
+        (``T^2 (I + O)``) when :func:`pergrad.rules.cost.prefers_ghost`."""
+        if self.ghost_norms is not None:  # the matrices only where norms-then-sums built them
+            return self._matrices_traced
         if self.per_example is not None:
             return True
         t, i, o = (static_or_none(self.a.shape[1]), static_or_none(self.a.shape[3]),
                    static_or_none(self.d.shape[3]))
         return not prefers_ghost(t, i, o)
 
-    def squared_norms(self) -> Tensor:
+    def squared_norms(self, then_summed: bool = False) -> Tensor:
+        """``||g_i||^2``; ``then_summed``: weighted sums or dots follow, so the rule's
+        ``ghost_norms`` (which would leave them to recompute) gives way to the per-example
+        matrices they read."""
+        if self.ghost_norms is not None:
+            if not then_summed:
+                return self.ghost_norms()
+            return add_n([row_squared_norms(m) for m in self._per_example_blocks()])
         t = static_or_none(self.a.shape[1])
         if t == 1 and self.per_example is None:
             # ||a d^T||^2 = ||a||^2 ||d||^2 per group.
@@ -351,6 +366,14 @@ class Factored:
         return Factored(self.variable, ops.concatenate([self.a, other.a], 1),
                         ops.concatenate([self.d, other.d], 1), self.natural_shape, self.perm,
                         summed, per_example, remake)
+
+
+def squared_norms_of(form, then_summed: bool = False) -> Tensor:
+    """``form.squared_norms()``, telling the forms that take it (:class:`Factored`,
+    :class:`Scaled`) whether weighted sums or dots of the same result follow."""
+    if then_summed and isinstance(form, (Factored, Scaled)):
+        return form.squared_norms(then_summed=True)
+    return form.squared_norms()
 
 
 def _side_by_side(parts: list) -> Tensor:
@@ -534,8 +557,8 @@ class Scaled:
     def materialize(self) -> Tensor:
         return self._times(self.inner.materialize())
 
-    def squared_norms(self) -> Tensor:
-        return self._times(self.inner.squared_norms(), 2)
+    def squared_norms(self, then_summed: bool = False) -> Tensor:
+        return self._times(squared_norms_of(self.inner, then_summed), 2)
 
     def dots(self, vector: Tensor) -> Tensor:
         return self._times(self.inner.dots(vector))
@@ -673,4 +696,5 @@ def unbroadcast(grad: Tensor, shape: tuple[int, ...]) -> Tensor:
 
 
 __all__ = ["Factored", "Form", "Materialized", "Rows", "Scaled", "add_n", "combine", "dots_many",
-           "positions", "rebuilt", "unbroadcast", "weighted_sums", "zero_rows"]
+           "positions", "rebuilt", "squared_norms_of", "unbroadcast", "weighted_sums",
+           "zero_rows"]

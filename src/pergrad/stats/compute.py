@@ -84,7 +84,7 @@ def statistics_from_result(result: PerExampleResult, sample_weight: Any = None,
     mask = ops.cast(active, dtype)
     coefficients = mask / ops.maximum(ops.sum(mask), 1)
     # The norms first: a form whose norms build the per-example matrices sums from them.
-    squared_norms_per_var = result.squared_norms()
+    squared_norms_per_var = result.squared_norms(then_summed=True)
     squared_norms = add_n(squared_norms_per_var) * mask
     norms = ops.sqrt(squared_norms)
     # The mean gradient G and the consensus of the batch, one vote per example,
