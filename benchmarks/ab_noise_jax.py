@@ -9,9 +9,9 @@ Three samplers of ``N(0, 1)`` in float32 on XLA's CPU:
 * ``jax normal``: ``jax.random.normal`` (cut at +5.22/-5.42: not sound for DP, the speed
   reference).
 
-Each is timed alone on ``--values`` values, then swapped into a ``PerExampleModel(dp_mean)``
-whose ``train_on_batch`` is timed alternately with the plain Keras step on the same weights
-and batch; medians, ratios to the Keras step. Nothing here asserts on timings.
+Each is timed alone on ``--values`` values (alternately, ratios to ``jax normal``), then
+swapped into a ``PerExampleModel(dp_mean)`` whose ``train_on_batch`` is timed alternately with
+the plain Keras step on the same weights and batch (ratios to the Keras step); medians. Nothing here asserts on timings.
 
     KERAS_BACKEND=jax python benchmarks/ab_noise_jax.py --model mlp --rounds 60
 """
@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import time
 
 os.environ.setdefault("KERAS_BACKEND", "jax")
 
@@ -35,6 +34,7 @@ import numpy as np  # noqa: E402
 import pergrad  # noqa: E402
 from pergrad.aggregate import noise  # noqa: E402
 from pergrad.bench.models import DEFAULT_BATCH, MODELS, batch  # noqa: E402
+from pergrad.bench.timing import alternating_medians, print_ratios  # noqa: E402
 
 LOSS = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
 
@@ -60,16 +60,6 @@ SAMPLERS = {
 }
 
 
-def _median_ms(fn, rounds: int) -> float:
-    jax.block_until_ready(fn())
-    times = []
-    for _ in range(rounds):
-        start = time.perf_counter()
-        jax.block_until_ready(fn())
-        times.append(time.perf_counter() - start)
-    return 1e3 * float(np.median(times))
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="mlp", choices=sorted(MODELS))
@@ -77,10 +67,11 @@ def main() -> None:
     parser.add_argument("--values", type=int, default=670_000)
     args = parser.parse_args()
     key = jax.random.key(0)
-    print(f"one draw of {args.values:,} float32 values (median of {args.rounds})")
-    for label, sampler in SAMPLERS.items():
-        draw = jax.jit(lambda k, s=sampler: s(k, (args.values,), jnp.float32))
-        print(f"  {label:12s} {_median_ms(lambda d=draw: d(key), args.rounds):7.2f} ms")
+    jitted = {label: jax.jit(lambda k, s=sampler: s(k, (args.values,), jnp.float32))
+              for label, sampler in SAMPLERS.items()}
+    draws = {label: (lambda d=draw: d(key)) for label, draw in jitted.items()}
+    print_ratios(f"one draw of {args.values:,} float32 values ({args.rounds} alternating "
+                 "rounds, medians)", alternating_medians(draws, args.rounds), "jax normal")
 
     keras.utils.set_random_seed(0)
     model = MODELS[args.model]()
@@ -103,18 +94,9 @@ def main() -> None:
         finally:
             noise._jax_normal = kept
         steps[f"dp_mean, {label}"] = private
-    times = {label: [] for label in steps}
-    for m in steps.values():
-        m.train_on_batch(x, y)
-    for _ in range(args.rounds):
-        for label, m in steps.items():
-            start = time.perf_counter()
-            m.train_on_batch(x, y)
-            times[label].append(time.perf_counter() - start)
-    base = np.median(times["keras step"])
-    print(f"{args.model}, batch {int(x.shape[0])}, {args.rounds} alternating rounds (medians)")
-    for label, values in times.items():
-        print(f"  {label:24s} {np.median(values) * 1e3:8.2f} ms  {np.median(values) / base:5.2f}x")
+    calls = {label: (lambda m=m: m.train_on_batch(x, y)) for label, m in steps.items()}
+    print_ratios(f"{args.model}, batch {int(x.shape[0])}, {args.rounds} alternating rounds "
+                 "(medians)", alternating_medians(calls, args.rounds), "keras step")
 
 
 if __name__ == "__main__":

@@ -30,16 +30,15 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import time
 
 import keras
-import numpy as np
 
 import pergrad
 from pergrad.backend import ops as backend_ops
 from pergrad.backend.lazy import tensorflow as tf
 from pergrad.bench.engine import LOSS
 from pergrad.bench.models import MODELS, batch
+from pergrad.bench.timing import alternating_medians, print_ratios
 from pergrad.rules import conv, cost
 
 
@@ -107,16 +106,8 @@ def main() -> None:
         pex = _traced(model, x, y, off)
         calls[f"{label} norms"] = lambda p=pex: p.norms(x, y)
         calls[f"{label} clipped_sum"] = lambda p=pex: p.clipped_sum(x, y, 1.0)
-    times = {name: [] for name in calls}
-    for _ in range(args.rounds):
-        for name, call in calls.items():
-            start = time.perf_counter()
-            keras.tree.map_structure(np.asarray, call())
-            times[name].append(time.perf_counter() - start)
-    base = np.median(times["batch gradient"])
-    print(f"{args.model}, batch {args.batch}, {args.rounds} rounds (medians)")
-    for name, values in times.items():
-        print(f"  {name:24s} {np.median(values) * 1e3:8.2f} ms  {np.median(values) / base:5.2f}x")
+    print_ratios(f"{args.model}, batch {args.batch}, {args.rounds} rounds (medians)",
+                 alternating_medians(calls, args.rounds), "batch gradient")
 
 
 if __name__ == "__main__":

@@ -34,6 +34,36 @@ def median_seconds(fn: Callable[[], object], *, repeats: int = 7, budget_s: floa
     return statistics.median(times), len(times)
 
 
+def alternating_medians(calls: dict[str, Callable[[], object]],
+                        rounds: int) -> dict[str, float]:
+    """Median seconds of each of ``calls`` after one untimed call each, timed in turn round
+    after round, so that every call sees the same machine state (A/B comparisons in one
+    process). Each result is copied to the host before the clock stops."""
+    for call in calls.values():
+        _to_host(call())
+    times: dict[str, list[float]] = {name: [] for name in calls}
+    for _ in range(rounds):
+        for name, call in calls.items():
+            start = time.perf_counter()
+            _to_host(call())
+            times[name].append(time.perf_counter() - start)
+    return {name: statistics.median(values) for name, values in times.items()}
+
+
+def print_ratios(title: str, medians: dict[str, float], base: str) -> None:
+    """``title``, then each median in milliseconds and as a ratio to ``medians[base]``."""
+    print(title)
+    for name, seconds in medians.items():
+        print(f"  {name:28s} {seconds * 1e3:8.2f} ms  {seconds / medians[base]:5.2f}x")
+
+
+def _to_host(result) -> None:
+    import keras
+    import numpy as np
+
+    keras.tree.map_structure(np.asarray, result)
+
+
 def script_main(description: str, run: Callable[..., list[dict]],
                 markdown: Callable[[list[dict]], str], argv: list[str] | None = None,
                 quick_help: str = "fewer repeats",

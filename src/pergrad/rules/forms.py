@@ -69,9 +69,10 @@ class Factored:
     the materialized route. ``ghost_norms``, when given beside ``per_example``, computes the
     per-example squared norms alone by a ghost route the rule knows to be cheaper (a stride-1
     convolution's shifted Gram of its input): ``squared_norms()`` takes it, and dots and
-    weighted sums after it read ``a`` and ``d`` (or ``summed``); ``squared_norms(then_summed=
-    True)`` builds the per-example matrices instead, which the sums then read. ``remake``, when given, rebuilds the
-    form from the layer's inputs with the rows of examples where ``keep`` is false zeroed
+    weighted sums after it read ``a`` and ``d`` (or ``summed``) rather than build the
+    matrices; ``squared_norms(then_summed=True)`` builds the per-example matrices instead,
+    which the sums then read. Without norms, dots and sums route as without ``ghost_norms``.
+    ``remake``, when given, rebuilds the form from the layer's inputs with the rows of examples where ``keep`` is false zeroed
     (``remake(keep)``); :meth:`masked` then uses it, so a masked form computed inside a
     conditional reads only the layer's input and output gradient, not tensors (patches) that
     the plain routes never build. ``remake(None)`` must work too and give the unmasked form:
@@ -90,6 +91,7 @@ class Factored:
     ghost_norms: Callable[[], Tensor] | None = None
     _matrices: tuple | None = field(default=None, init=False, repr=False, compare=False)
     _matrices_traced: bool = field(default=False, init=False, repr=False, compare=False)
+    _ghost_taken: bool = field(default=False, init=False, repr=False, compare=False)
 
     @property
     def var_shape(self) -> tuple[int, ...]:
@@ -199,8 +201,8 @@ class Factored:
         """Whether norms and dots go through the per-example matrices (``T I O`` per example)
         rather than a ghost form: the rule's own ``ghost_norms``, else the Gram form
         (``T^2 (I + O)``) when :func:`pergrad.rules.cost.prefers_ghost`."""
-        if self.ghost_norms is not None:  # the matrices only where norms-then-sums built them
-            return self._matrices_traced
+        if self._ghost_taken:  # norms without the matrices: dots and sums read a and d
+            return False
         if self.per_example is not None:
             return True
         t, i, o = (static_or_none(self.a.shape[1]), static_or_none(self.a.shape[3]),
@@ -213,6 +215,7 @@ class Factored:
         matrices they read."""
         if self.ghost_norms is not None:
             if not then_summed:
+                self._ghost_taken = True
                 return self.ghost_norms()
             return add_n([row_squared_norms(m) for m in self._per_example_blocks()])
         t = static_or_none(self.a.shape[1])
