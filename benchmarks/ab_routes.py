@@ -11,19 +11,27 @@ a route switched off (``--switch``):
 * ``pairwise_rows``: an embedding table's per-example norms take ``tf.unique`` and two segment
   sums rather than the pairwise form (``pergrad.rules.cost.rows_pairwise_wins``);
 * ``shifted_ghost``: a stride-1 convolution's norms alone take its per-example products
-  rather than the shifted Gram of its input (``pergrad.rules.cost.shifted_ghost_wins``).
+  rather than the shifted Gram of its input (``pergrad.rules.cost.shifted_ghost_wins``);
+* ``xla_filter_sum``: on JAX, a one-dimensional stride-1 convolution's batch kernel gradient
+  takes the GEMMs over shifted slices rather than XLA's filter gradient, and a clipped sum's
+  norms the per-example products rather than the shifted ghost route
+  (``pergrad.rules.cost.xla_filter_gradient_wins``).
 
 ``folded``, ``one_pass_norms`` and ``pairwise_rows`` are TensorFlow routes; ``shifted_ghost``
-runs on JAX too (``KERAS_BACKEND=jax``, against JAX's jitted batch gradient).
+runs on JAX too (``KERAS_BACKEND=jax``, against JAX's jitted batch gradient), and
+``xla_filter_sum`` is a JAX route.
 
 Their norms and clipped sums and the batch gradient are timed alternately, so that both routes
-see the same machine state; medians are printed as ratios to the batch gradient. Nothing here
-asserts on timings.
+see the same machine state; medians are printed as ratios to the batch gradient. With
+``--dp-step``, a ``PerExampleModel(dp_mean)`` training step traced with each route and the
+plain Keras step on the same weights join the rotation (ratios to the Keras step). Nothing
+here asserts on timings.
 
     python benchmarks/ab_routes.py                        # folded, the benchmark CNN, batch 256
     python benchmarks/ab_routes.py --model cnn --batch 64 --rounds 40
     python benchmarks/ab_routes.py --switch one_pass_norms --model text_cnn
     KERAS_BACKEND=jax python benchmarks/ab_routes.py --switch shifted_ghost --model text_cnn
+    KERAS_BACKEND=jax python benchmarks/ab_routes.py --switch xla_filter_sum --model text_cnn --dp-step
 """
 
 from __future__ import annotations
@@ -63,6 +71,9 @@ SWITCHES = {
                       lambda: _replaced(cost, "rows_pairwise_wins", lambda *a, **k: False)),
     "shifted_ghost": ("shifted ghost", "products",
                       lambda: _replaced(conv, "shifted_ghost_wins", lambda *a, **k: False)),
+    "xla_filter_sum": ("filter+ghost", "products",
+                       lambda: _replaced(conv, "xla_filter_gradient_wins",
+                                         lambda *a, **k: False)),
 }
 
 
@@ -90,13 +101,39 @@ def _traced(model, x, y, switched_off):
     return pex
 
 
+def _dp_steps(model, x, y, switched_off) -> dict:
+    """A ``dp_mean`` training step traced with the route switched off and one with it, and the
+    plain Keras step, each on its own copy of ``model``'s weights (plain SGD)."""
+    def copy():
+        twin = keras.models.clone_model(model)
+        twin.set_weights(model.get_weights())
+        twin.compile(optimizer=keras.optimizers.SGD(0.01), loss=LOSS)
+        return twin
+
+    steps = {"keras step": copy()}
+    for label, off in switched_off:
+        private = pergrad.keras.PerExampleModel(
+            copy(), pergrad.aggregate.dp_mean(1.0, 1.0, expected_batch_size=int(x.shape[0])))
+        private.compile(optimizer=keras.optimizers.SGD(0.01), loss=LOSS)
+        with off() if off else contextlib.nullcontext():
+            private.train_on_batch(x, y)  # traced with this route
+        steps[f"{label} dp_mean step"] = private
+    return {label: (lambda m=m: m.train_on_batch(x, y)) for label, m in steps.items()}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--switch", default="folded", choices=sorted(SWITCHES))
     parser.add_argument("--model", default="cnn", choices=sorted(MODELS))
     parser.add_argument("--batch", type=int, default=256)
     parser.add_argument("--rounds", type=int, default=40)
+    parser.add_argument("--dp-step", action="store_true",
+                        help="also time a dp_mean training step per route against Keras's")
     args = parser.parse_args()
+    if args.dp_step and keras.backend.backend() == "jax":
+        import jax
+
+        jax.config.update("jax_enable_x64", True)  # DP noise keys are 64-bit
     keras.utils.set_random_seed(0)
     model = MODELS[args.model]()
     x, y = (keras.ops.convert_to_tensor(t) for t in batch(args.model, args.batch))
@@ -106,8 +143,13 @@ def main() -> None:
         pex = _traced(model, x, y, off)
         calls[f"{label} norms"] = lambda p=pex: p.norms(x, y)
         calls[f"{label} clipped_sum"] = lambda p=pex: p.clipped_sum(x, y, 1.0)
-    print_ratios(f"{args.model}, batch {args.batch}, {args.rounds} rounds (medians)",
-                 alternating_medians(calls, args.rounds), "batch gradient")
+    routes = ((without_route, switch_off), (with_route, None))
+    steps = _dp_steps(model, x, y, routes) if args.dp_step else {}
+    medians = alternating_medians({**calls, **steps}, args.rounds)
+    title = f"{args.model}, batch {args.batch}, {args.rounds} rounds (medians)"
+    print_ratios(title, {k: v for k, v in medians.items() if k not in steps}, "batch gradient")
+    if steps:
+        print_ratios(title, {k: medians[k] for k in steps}, "keras step")
 
 
 if __name__ == "__main__":

@@ -176,6 +176,56 @@ def test_shifted_ghost_norms_match_loop_oracle(name, float64, monkeypatch):
         assert_close(g, e, what="gradients")
 
 
+@pytest.mark.parametrize("name", ["1d_valid", "1d_causal_dilated"])
+def test_filter_gradient_sums_after_shifted_ghost_norms(name, float64, monkeypatch):
+    """On JAX a 1-D convolution whose batch kernel gradient is XLA's filter gradient
+    (``xla_filter_gradient_wins``, forced here) takes the shifted ghost norms before a clipped
+    sum too, and sums through the filter gradient; elsewhere the sum reads the products. Both
+    against the oracle, with a NaN row dropped (the masked sum inside the conditional), and the
+    mean aggregator's sum without norms."""
+    from pergrad.rules import conv
+
+    monkeypatch.setattr(conv, "shifted_ghost_wins", lambda *args: True)
+    monkeypatch.setattr(conv, "xla_filter_gradient_wins", lambda *args: True)
+    model, layer, rule, x, y = _case(name)
+    form = _kernel_form(model, layer, x, y)
+    on_jax = keras.backend.backend() == "jax"
+    assert form.ghost_before_sums == on_jax
+    form.squared_norms(then_summed=True, sums_only=True)
+    assert form._ghost_taken == on_jax
+    assert_rule_matches_oracle(model, layer, rule, x, y)
+
+    expected, _ = loop_gradients(model, keras_loss(zoo.SCCE), x, y)
+    flat = np.concatenate([e.reshape(B, -1) for e in expected], axis=1)
+    clean = np.linalg.norm(flat, axis=1)
+    clip = float(np.median(clean))
+    pex = pergrad.PerExample(model, zoo.SCCE)
+    summed, norms = pex.clipped_sum(x, y, clip)
+    assert_close(norms, clean, what="norms before the clipped sum")
+    for s, e in zip(summed, expected, strict=True):
+        assert_close(s, np.tensordot(np.minimum(1.0, clip / clean), e, axes=1),
+                     what="clipped sum")
+    x_bad = x.copy()
+    x_bad[1] = np.nan
+    summed, _ = pex.clipped_sum(x_bad, y, clip)
+    factors = np.where(np.arange(B) == 1, 0.0, np.minimum(1.0, clip / clean))
+    for s, e in zip(summed, expected, strict=True):
+        assert_close(s, np.tensordot(factors, e, axes=1), what="clipped sum without row 1")
+    sums = pex.compiled("mean", lambda x, y, w: pex.compute(x, y, w).weighted_sum(
+        keras.ops.ones([B], "float64")))(*pex.prepare(x, y))
+    for s, e in zip(sums, expected, strict=True):
+        assert_close(s, e.sum(0), what="sum without norms")
+
+
+def test_xla_filter_gradient_cost_model():
+    from pergrad.rules.cost import xla_filter_gradient_wins
+
+    assert xla_filter_gradient_wins(1, 256 * 124 * 5 * 64 * 128)  # the text CNN's Conv1D
+    assert not xla_filter_gradient_wins(1, 256 * 98 * 3 * 16 * 32)  # small: the GEMMs win
+    assert not xla_filter_gradient_wins(2, 128 * 32 * 32 * 9 * 32 * 32)  # 2-D: the GEMMs win
+    assert not xla_filter_gradient_wins(1, None)
+
+
 def test_shifted_ghost_cost_model():
     from pergrad.rules.cost import shifted_ghost_cost, shifted_ghost_wins
 

@@ -175,7 +175,7 @@ def linear_local(coefficients: Callable[[list, Batch], Any], needs_norms: bool):
     def local(result, batch: Batch) -> Partial:
         rows = ops.cast(result.batch_size, result.norm_dtype)
         if needs_norms:
-            squared = result.squared_norms(then_summed=True)
+            squared = result.squared_norms(then_summed=True, sums_only=True)
             return _linear_with_norms(result, batch, squared, rows)
         ones = ops.ones([result.batch_size], result.norm_dtype)
         sums = result.weighted_sum(coefficients(None, batch) * ones)
@@ -186,8 +186,8 @@ def linear_local(coefficients: Callable[[list, Batch], Any], needs_norms: bool):
 
         def slow():  # rebuilt: only this branch, taken on a non-finite sum, needs norms
             inner = result.rebuilt()
-            partial = _linear_with_norms(inner, batch, inner.squared_norms(then_summed=True),
-                                         rows)
+            squared = inner.squared_norms(then_summed=True, sums_only=True)
+            partial = _linear_with_norms(inner, batch, squared, rows)
             return list(partial.values), partial.dropped
 
         values, dropped = ops.cond(finite, fast, slow)

@@ -54,24 +54,26 @@ class PerExampleResult:
             for v, f in zip(self.variables, self.forms, strict=True)
         ]
 
-    def squared_norms(self, then_summed: bool = False) -> list:
+    def squared_norms(self, then_summed: bool = False, sums_only: bool = False) -> list:
         """Per variable, ``||g_i[var]||^2`` of shape ``(B,)``.
 
         ``then_summed``: weighted sums or dots of this result follow (clipping, statistics).
         A form with a cheaper route for norms alone (a convolution's shifted ghost norms,
         :class:`pergrad.rules.forms.Factored`) then builds the per-example matrices that
-        the sums read instead."""
+        the sums read instead, unless ``sums_only`` (only weighted sums follow: no dots, no
+        per-example gradients) and the form's own sum is cheap enough to follow its ghost
+        norms (``Factored.ghost_before_sums``)."""
         dtype = self.norm_dtype
         return [
             ops.zeros([self.batch_size], dtype) if f is None
-            else ops.cast(squared_norms_of(f, then_summed), dtype)
+            else ops.cast(squared_norms_of(f, then_summed, sums_only), dtype)
             for f in self.forms
         ]
 
-    def norms(self, then_summed: bool = False) -> Any:
+    def norms(self, then_summed: bool = False, sums_only: bool = False) -> Any:
         """``||g_i||``: the L2 norm of each example's whole gradient, ``(B,)``
-        (``then_summed``: see :meth:`squared_norms`)."""
-        return ops.sqrt(add_n(self.squared_norms(then_summed)))
+        (``then_summed``, ``sums_only``: see :meth:`squared_norms`)."""
+        return ops.sqrt(add_n(self.squared_norms(then_summed, sums_only)))
 
     def dots(self, vectors: list) -> list:
         """Per variable, ``<g_i[var], v[var]>`` of shape ``(B,)``."""

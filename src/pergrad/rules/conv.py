@@ -37,6 +37,7 @@ from pergrad.rules.cost import (
     prefers_ghost,
     shifted_ghost_wins,
     shifted_products_win,
+    xla_filter_gradient_wins,
 )
 from pergrad.rules.forms import Factored, Materialized, positions
 
@@ -172,18 +173,22 @@ def _kernel_form(layer, x, d) -> Factored:
     dd = ops.reshape(d, [batch, t, groups, c_out // groups])
     natural = (*layer.kernel_size, c_in // groups, groups, c_out // groups)
     summed = per_example = None
-    if groups == 1 and is_tensorflow():  # XLA's filter gradient loses to the GEMM on CPU
+    shifted = groups == 1 and shifted_products_win(layer.kernel_size, layer.strides, c_in)
+    # XLA's filter gradient loses to the GEMMs over shifted slices on CPU, except in 1-D
+    native_sum = groups == 1 and (is_tensorflow() or is_jax() and shifted and (
+        xla_filter_gradient_wins(len(layer.kernel_size),
+                                 _multiply_adds(batch, t, k * c_in * c_out))))
+    if native_sum:
         def summed(coefficients):
             return _filter_gradient(layer, x, d * ops.cast(coefficients, d.dtype)[
                 (slice(None),) + (None,) * (rank(d) - 1)])
-    shifted = groups == 1 and shifted_products_win(layer.kernel_size, layer.strides, c_in)
     if shifted and not prefers_ghost(static_or_none(t), k * c_in, c_out):
         def per_example():
             return _shifted_products(layer, x, d)
     ghost_norms = None
     if per_example is not None and static and shifted_ghost_wins(
             _read_positions(layer, x), static_or_none(t), c_in, c_out, k):
-        def ghost_norms():  # norms alone; norms then sums read the products
+        def ghost_norms():  # norms alone (and, on JAX with its filter gradient, before sums)
             return _shifted_ghost_norms(layer, x, d)
     if shifted and summed is None:  # the GEMM over shifted slices, not over patches
         def summed(coefficients):
@@ -194,7 +199,14 @@ def _kernel_form(layer, x, d) -> Factored:
         return _kernel_form(layer, zero_rows(x, keep), zero_rows(d, keep))
 
     return Factored(layer.kernel, a, dd, natural, summed=summed, per_example=per_example,
-                    remake=remake, ghost_norms=ghost_norms)
+                    remake=remake, ghost_norms=ghost_norms,
+                    ghost_before_sums=native_sum and is_jax())
+
+
+def _multiply_adds(batch, positions_per_example, per_position: int) -> int | None:
+    """``B T K C O`` where the batch size and positions are static, else ``None``."""
+    b, t = static_or_none(batch), static_or_none(positions_per_example)
+    return None if b is None or t is None else b * t * per_position
 
 
 def _folded_kernel_form(layer, x, d) -> Factored:
@@ -378,8 +390,9 @@ def _offset_slices(padded, kernel_size, dilation, sizes):
 
 def _shifted_sum(layer, x, d):
     """``sum_i P_i^T D_i`` as one GEMM over all ``B T`` rows per kernel offset, on the shifted
-    input slices: the batch kernel gradient without patches (backends whose native filter
-    gradient loses on CPU: XLA's)."""
+    input slices: the batch kernel gradient without patches (where the native filter
+    gradient loses on CPU: XLA's, in 2-D and 3-D and for small 1-D layers,
+    :func:`pergrad.rules.cost.xla_filter_gradient_wins`)."""
     c_in, c_out = x.shape[-1], d.shape[-1]
     flat_d = ops.reshape(d, [-1, c_out])
     sums = [matmul_ta(ops.reshape(part, [-1, c_in]), flat_d)

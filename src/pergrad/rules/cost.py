@@ -142,6 +142,8 @@ def shifted_ghost_wins(input_positions: int | None, output_positions: int | None
     multiply-add as the per-example products. Norms that a weighted sum follows (clipping)
     keep the products, which the sum reads: recomputing the sum (the filter gradient) cost
     more than the ghost route saved (TensorFlow, text CNN clipped sum 1.87x against 1.67x).
+    On JAX a 1-D convolution whose sum is XLA's filter gradient (:func:`xla_filter_gradient_wins`)
+    takes the ghost norms before its sums too.
     Measured, the text CNN's Conv1D (128 x 64 -> 124 x 128, k 5, batch 256) at 0.6 of the
     products' multiply-adds: norms alone 12.7 against 36.5 ms on JAX (chunks of 8 examples),
     15.5 against 20.4 on TensorFlow; the whole model's norms 1.16x -> 0.99x (JAX) and 1.40x
@@ -150,6 +152,31 @@ def shifted_ghost_wins(input_positions: int | None, output_positions: int | None
         return False
     return shifted_ghost_cost(input_positions, output_positions, channels, outputs,
                               offsets) < output_positions * offsets * channels * outputs
+
+
+#: On JAX the batch kernel gradient ``sum_i P_i^T D_i`` of a one-dimensional stride-1
+#: convolution (``summed``) is XLA's own filter gradient from this many multiply-adds
+#: (``B T K C O``) up; below, and for every 2-D and 3-D convolution, one GEMM per kernel offset
+#: over the shifted input slices (:func:`pergrad.rules.conv._shifted_sum`). Measured (jit,
+#: CPU, ms, XLA's filter gradient against the GEMMs, 2 December 2026): Conv1D 128x64 -> 128,
+#: k 5, batch 256 (the text CNN's, 1.3e9): 20-28 against 44-56; 256x32 -> 64, k 7, dilation 2,
+#: batch 128: 9 against 17-19; 64x128 -> 128, k 3, batch 128: 8.1-8.7 against 9.1-9.4; 100x16
+#: -> 32, k 3, batch 256 (3.9e7): 1.5 against 1.0. In 2-D it lost everywhere: the ResNet's
+#: 32x32x32 -> 32, k 3, batch 128: 580-630 against 110-143; 16x16x64: 185 against 75;
+#: 8x8x128: 67-69 against 27.
+XLA_FILTER_GRADIENT_MIN_MULTIPLY_ADDS = 10**8
+
+
+def xla_filter_gradient_wins(spatial_rank: int, multiply_adds: int | None) -> bool:
+    """Whether a stride-1 convolution's batch kernel gradient on JAX is XLA's filter gradient
+    rather than the GEMMs over shifted slices (:data:`XLA_FILTER_GRADIENT_MIN_MULTIPLY_ADDS`).
+
+    Where it is, a clipped sum also takes the shifted ghost norms (:func:`shifted_ghost_wins`)
+    and then the filter gradient of the clip-scaled output gradients, instead of building the
+    per-example products that the sum would read: the text CNN's Conv1D, norms and sum,
+    ghost 12.7 + filter 20 ms against products 36.5 + 1 ms."""
+    return spatial_rank == 1 and multiply_adds is not None and (
+        multiply_adds >= XLA_FILTER_GRADIENT_MIN_MULTIPLY_ADDS)
 
 
 def materialized_cost(positions: int, inputs: int, outputs: int, batch: int | None = None,
@@ -187,4 +214,5 @@ __all__ = ["CHUNK_BYTES", "GEMM_ADVANTAGE", "ROWS_PAIRWISE_MAX_POSITIONS",
            "ROWS_PAIRWISE_MAX_POSITIONS_TENSORFLOW", "SHIFTED_MIN_CHANNELS",
            "SUM_FROM_MATRICES_MAX_ELEMENTS", "examples_per_chunk", "folded_products_win",
            "ghost_cost", "materialized_cost", "prefers_ghost", "rows_pairwise_wins",
-           "shifted_ghost_cost", "shifted_ghost_wins", "shifted_products_win", "sums_from_matrices"]
+           "shifted_ghost_cost", "shifted_ghost_wins", "shifted_products_win", "sums_from_matrices",
+           "XLA_FILTER_GRADIENT_MIN_MULTIPLY_ADDS", "xla_filter_gradient_wins"]

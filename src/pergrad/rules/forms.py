@@ -71,7 +71,9 @@ class Factored:
     convolution's shifted Gram of its input): ``squared_norms()`` takes it, and dots and
     weighted sums after it read ``a`` and ``d`` (or ``summed``) rather than build the
     matrices; ``squared_norms(then_summed=True)`` builds the per-example matrices instead,
-    which the sums then read. Without norms, dots and sums route as without ``ghost_norms``.
+    which the sums then read, unless ``ghost_before_sums`` (the rule's ``summed`` is cheap
+    enough that the ghost norms and ``summed`` beat the matrices) and ``sums_only`` (no dots
+    or gradients follow). Without norms, dots and sums route as without ``ghost_norms``.
     ``remake``, when given, rebuilds the form from the layer's inputs with the rows of examples where ``keep`` is false zeroed
     (``remake(keep)``); :meth:`masked` then uses it, so a masked form computed inside a
     conditional reads only the layer's input and output gradient, not tensors (patches) that
@@ -89,6 +91,7 @@ class Factored:
     per_example: Callable[[], Tensor] | None = None
     remake: Callable[[Tensor], Factored] | None = None
     ghost_norms: Callable[[], Tensor] | None = None
+    ghost_before_sums: bool = False
     _matrices: tuple | None = field(default=None, init=False, repr=False, compare=False)
     _matrices_traced: bool = field(default=False, init=False, repr=False, compare=False)
     _ghost_taken: bool = field(default=False, init=False, repr=False, compare=False)
@@ -209,12 +212,13 @@ class Factored:
                    static_or_none(self.d.shape[3]))
         return not prefers_ghost(t, i, o)
 
-    def squared_norms(self, then_summed: bool = False) -> Tensor:
+    def squared_norms(self, then_summed: bool = False, sums_only: bool = False) -> Tensor:
         """``||g_i||^2``; ``then_summed``: weighted sums or dots follow, so the rule's
         ``ghost_norms`` (which would leave them to recompute) gives way to the per-example
-        matrices they read."""
+        matrices they read, unless ``sums_only`` (only weighted sums follow) and the rule
+        says ``ghost_before_sums``."""
         if self.ghost_norms is not None:
-            if not then_summed:
+            if not then_summed or sums_only and self.ghost_before_sums:
                 self._ghost_taken = True
                 return self.ghost_norms()
             return add_n([row_squared_norms(m) for m in self._per_example_blocks()])
@@ -371,11 +375,12 @@ class Factored:
                         summed, per_example, remake)
 
 
-def squared_norms_of(form, then_summed: bool = False) -> Tensor:
+def squared_norms_of(form, then_summed: bool = False, sums_only: bool = False) -> Tensor:
     """``form.squared_norms()``, telling the forms that take it (:class:`Factored`,
-    :class:`Scaled`) whether weighted sums or dots of the same result follow."""
+    :class:`Scaled`) whether weighted sums or dots of the same result follow (``then_summed``)
+    and whether only weighted sums do (``sums_only``)."""
     if then_summed and isinstance(form, (Factored, Scaled)):
-        return form.squared_norms(then_summed=True)
+        return form.squared_norms(then_summed=True, sums_only=sums_only)
     return form.squared_norms()
 
 
@@ -560,8 +565,8 @@ class Scaled:
     def materialize(self) -> Tensor:
         return self._times(self.inner.materialize())
 
-    def squared_norms(self, then_summed: bool = False) -> Tensor:
-        return self._times(squared_norms_of(self.inner, then_summed), 2)
+    def squared_norms(self, then_summed: bool = False, sums_only: bool = False) -> Tensor:
+        return self._times(squared_norms_of(self.inner, then_summed, sums_only), 2)
 
     def dots(self, vector: Tensor) -> Tensor:
         return self._times(self.inner.dots(vector))
