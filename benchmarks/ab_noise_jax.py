@@ -33,7 +33,7 @@ import numpy as np  # noqa: E402
 
 import pergrad  # noqa: E402
 from pergrad.aggregate import noise  # noqa: E402
-from pergrad.bench.models import DEFAULT_BATCH, MODELS, batch  # noqa: E402
+from pergrad.bench.models import DEFAULT_BATCH, MODELS, batch, twin  # noqa: E402
 from pergrad.bench.timing import alternating_medians, print_ratios  # noqa: E402
 
 LOSS = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
@@ -77,16 +77,11 @@ def main() -> None:
     model = MODELS[args.model]()
     x, y = (jnp.asarray(t) for t in batch(args.model, DEFAULT_BATCH[args.model][-1]))
 
-    def copy():
-        twin = keras.models.clone_model(model)
-        twin.set_weights(model.get_weights())
-        twin.compile(optimizer=keras.optimizers.SGD(0.01), loss=LOSS)
-        return twin
-
-    steps = {"keras step": copy()}
+    steps = {"keras step": twin(model, LOSS)}
     for label, sampler in SAMPLERS.items():
         private = pergrad.keras.PerExampleModel(
-            copy(), pergrad.aggregate.dp_mean(1.0, 1.0, expected_batch_size=int(x.shape[0])))
+            twin(model), pergrad.aggregate.dp_mean(1.0, 1.0,
+                                                   expected_batch_size=int(x.shape[0])))
         private.compile(optimizer=keras.optimizers.SGD(0.01), loss=LOSS)
         kept, noise._jax_normal = noise._jax_normal, sampler
         try:

@@ -45,7 +45,7 @@ import pergrad
 from pergrad.backend import ops as backend_ops
 from pergrad.backend.lazy import tensorflow as tf
 from pergrad.bench.engine import LOSS
-from pergrad.bench.models import MODELS, batch
+from pergrad.bench.models import MODELS, batch, twin
 from pergrad.bench.timing import alternating_medians, print_ratios
 from pergrad.rules import conv, cost
 
@@ -104,16 +104,10 @@ def _traced(model, x, y, switched_off):
 def _dp_steps(model, x, y, switched_off) -> dict:
     """A ``dp_mean`` training step traced with the route switched off and one with it, and the
     plain Keras step, each on its own copy of ``model``'s weights (plain SGD)."""
-    def copy():
-        twin = keras.models.clone_model(model)
-        twin.set_weights(model.get_weights())
-        twin.compile(optimizer=keras.optimizers.SGD(0.01), loss=LOSS)
-        return twin
-
-    steps = {"keras step": copy()}
+    steps = {"keras step": twin(model, LOSS)}
     for label, off in switched_off:
         private = pergrad.keras.PerExampleModel(
-            copy(), pergrad.aggregate.dp_mean(1.0, 1.0, expected_batch_size=int(x.shape[0])))
+            twin(model), pergrad.aggregate.dp_mean(1.0, 1.0, expected_batch_size=int(x.shape[0])))
         private.compile(optimizer=keras.optimizers.SGD(0.01), loss=LOSS)
         with off() if off else contextlib.nullcontext():
             private.train_on_batch(x, y)  # traced with this route

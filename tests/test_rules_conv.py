@@ -181,8 +181,8 @@ def test_filter_gradient_sums_after_shifted_ghost_norms(name, float64, monkeypat
     """On JAX a 1-D convolution whose batch kernel gradient is XLA's filter gradient
     (``xla_filter_gradient_wins``, forced here) takes the shifted ghost norms before a clipped
     sum too, and sums through the filter gradient; elsewhere the sum reads the products. Both
-    against the oracle, with a NaN row dropped (the masked sum inside the conditional), and the
-    mean aggregator's sum without norms."""
+    against the oracle, with a NaN row dropped (the masked sum inside the conditional), a sum
+    without norms and the ``clip_mean`` aggregator."""
     from pergrad.rules import conv
 
     monkeypatch.setattr(conv, "shifted_ghost_wins", lambda *args: True)
@@ -215,6 +215,16 @@ def test_filter_gradient_sums_after_shifted_ghost_norms(name, float64, monkeypat
         keras.ops.ones([B], "float64")))(*pex.prepare(x, y))
     for s, e in zip(sums, expected, strict=True):
         assert_close(s, e.sum(0), what="sum without norms")
+
+    # The linear aggregators' local step asks for norms before sums only, as clipped_sum does.
+    agg = pergrad.aggregate.clip_mean(clip)
+    result = pex.compute(keras.ops.convert_to_tensor(x), keras.ops.convert_to_tensor(y))
+    mean = agg.finalize(agg.local(result, pergrad.aggregate.Batch.of(result)), None)
+    index = [v.path for v in model.trainable_variables].index(layer.kernel.path)
+    assert result.forms[index]._ghost_taken == on_jax
+    for m, e in zip(mean, expected, strict=True):
+        assert_close(m, np.tensordot(np.minimum(1.0, clip / clean), e, axes=1) / B,
+                     what="clip_mean")
 
 
 def test_xla_filter_gradient_cost_model():

@@ -35,7 +35,7 @@ import jax.numpy as jnp
 import keras
 
 import pergrad
-from pergrad.bench.models import DEFAULT_BATCH, MODELS, batch
+from pergrad.bench.models import DEFAULT_BATCH, MODELS, batch, twin
 
 LOSS = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
 CLIP = 1.0
@@ -106,14 +106,9 @@ def _step_timings(model, x, y) -> dict[str, Callable[[], object]]:
     """One SGD ``train_on_batch`` of copies of ``model`` with the same weights."""
     size = int(x.shape[0])
 
-    def copy():
-        twin = keras.models.clone_model(model)
-        twin.set_weights(model.get_weights())
-        return twin
-
-    plain = copy()
+    plain = twin(model)
     private = pergrad.keras.PerExampleModel(
-        copy(), pergrad.aggregate.dp_mean(CLIP, 1.0, expected_batch_size=size))
+        twin(model), pergrad.aggregate.dp_mean(CLIP, 1.0, expected_batch_size=size))
     steps = {"keras step": plain, "pergrad dp_mean step": private}
     try:
         from jax_privacy import keras_api
@@ -125,7 +120,7 @@ def _step_timings(model, x, y) -> dict[str, Callable[[], object]]:
                 epsilon=8.0, delta=1e-5, clipping_norm=CLIP, batch_size=size,
                 gradient_accumulation_steps=1, train_steps=1000, train_size=1000 * size,
                 noise_multiplier=1.0, microbatch_size=micro if micro and micro < size else None)
-            steps[label] = keras_api.make_private(copy(), config)
+            steps[label] = keras_api.make_private(twin(model), config)
     for m in steps.values():
         m.compile(optimizer=keras.optimizers.SGD(0.01), loss=LOSS)
     return {label: (lambda m=m: m.train_on_batch(x, y)) for label, m in steps.items()}

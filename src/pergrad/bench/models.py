@@ -11,6 +11,16 @@ import numpy as np
 L = keras.layers
 
 
+def twin(model: keras.Model, loss=None) -> keras.Model:
+    """A copy of ``model`` with the same weights; compiled with SGD (learning rate 0.01) and
+    ``loss`` when one is given, so that several steps can be timed from the same state."""
+    copy = keras.models.clone_model(model)
+    copy.set_weights(model.get_weights())
+    if loss is not None:
+        copy.compile(optimizer=keras.optimizers.SGD(0.01), loss=loss)
+    return copy
+
+
 def mlp() -> keras.Model:
     """MLP 784-512-512-10."""
     return keras.Sequential([keras.Input((784,)), L.Dense(512, activation="relu"),
