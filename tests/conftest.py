@@ -39,27 +39,18 @@ def pytest_configure(config):
         "markers", "all_backends: runs on every Keras backend (KERAS_BACKEND=jax runs only these)")
 
 
-# On PyTorch everything but pergrad.jacobian (and tf.distribute's fit_distributed) is ported
-# (docs/backends.md, "PyTorch"). The marked tests of these modules test parts that are not ported
-# and do not refuse on PyTorch with an error of their own: they are skipped there, with the gap
-# as the reason.
-_NOT_ON_TORCH = {
-    "test_jacobian.py": "pergrad.jacobian is not ported to the PyTorch backend "
-                        "(docs/backends.md)",
-}
 # Where the PyTorch engine is tested: here a NotImplementedError is a failure like any other.
 _TORCH_PORTED = ("test_engine_oracle.py", "test_backends.py", "test_rules_", "test_losses.py",
-                 "test_aggregate_backends.py", "test_stats.py")
+                 "test_aggregate_backends.py", "test_stats.py", "test_jacobian.py")
 # The entry points documented as not ported to PyTorch: only their refusal becomes a skip.
-_NOT_PORTED_TO_TORCH = ("pergrad.keras.fit_distributed", "pergrad.jacobian", "pergrad.hessian")
+_NOT_PORTED_TO_TORCH = ("pergrad.keras.fit_distributed",)
 
 
 def pytest_collection_modifyitems(config, items):
     """On a backend other than TensorFlow only the tests marked ``all_backends`` run; the rest
     test TensorFlow-only parts (tf.distribute, TF-specific fast paths and graphs, the
     subprocess tests, which launch their JAX children from the TensorFlow run) and are
-    deselected. On PyTorch the marked tests of the parts not ported yet are skipped, each with
-    the gap as its reason."""
+    deselected."""
     backend = keras.backend.backend()
     if backend == "tensorflow":
         return
@@ -68,11 +59,6 @@ def pytest_collection_modifyitems(config, items):
     if deselected:
         config.hook.pytest_deselected(items=deselected)
         items[:] = selected
-    if backend == "torch":
-        for item in items:
-            reason = _NOT_ON_TORCH.get(item.path.name)
-            if reason is not None:
-                item.add_marker(pytest.mark.skip(reason=reason))
 
 
 @pytest.hookimpl(hookwrapper=True)

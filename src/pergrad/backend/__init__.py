@@ -11,11 +11,12 @@ from __future__ import annotations
 
 import keras
 
-# Where everything runs, pergrad.jacobian included.
-SUPPORTED = ("tensorflow", "jax")
-# Where the engine and what is built on it run: pergrad.PerExample, the aggregators,
-# PerExampleModel, the monitor, pergrad.stats (docs/backends.md, "PyTorch").
-ENGINE_SUPPORTED = ("tensorflow", "jax", "torch")
+# Where pergrad runs: everything on each of them, but for fit_distributed (tf.distribute's, on
+# TensorFlow only: `require_tensorflow`).
+SUPPORTED = ("tensorflow", "jax", "torch")
+# Where the engine and what is built on it run (pergrad.PerExample, the aggregators,
+# PerExampleModel, the monitor, pergrad.stats): every supported backend.
+ENGINE_SUPPORTED = SUPPORTED
 
 
 def name() -> str:
@@ -40,12 +41,11 @@ def require_supported(what: str = "pergrad", backends: tuple = SUPPORTED) -> str
     (``backends``: :data:`SUPPORTED` unless given, :data:`ENGINE_SUPPORTED` for the engine)."""
     backend = name()
     if backend not in backends:
-        on_torch = (" On PyTorch everything but pergrad.jacobian (and fit_distributed, which "
-                    "is tf.distribute's) is ported so far." if backend == "torch" else "")
         raise NotImplementedError(
             f"{what} runs on the Keras backends {', '.join(backends)}; this process runs "
-            f"{backend!r}. Set KERAS_BACKEND=jax or KERAS_BACKEND=tensorflow before importing "
-            f"keras.{on_torch} See docs/backends.md for what works where.")
+            f"{backend!r}. Set KERAS_BACKEND to one of them (e.g. KERAS_BACKEND=jax) before "
+            "importing keras. See "
+            "docs/backends.md for what works where.")
     return backend
 
 

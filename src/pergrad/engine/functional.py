@@ -4,6 +4,7 @@ differentiation around them (``jax.grad``, ``torch.func.grad``) differs per back
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 from typing import Any
 
@@ -36,3 +37,38 @@ def example_loss(model, loss_fn, training: bool, frozen: list) -> Callable[..., 
             predictions, _ = model.stateless_call(values, frozen, xi, **kwargs)
         return weighted_losses(loss_fn(yi, predictions), wi[None])[0]
     return loss
+
+
+# -- variables read as given values, writes kept -------------------------------------------------
+class _Scope:
+    """A ``keras.StatelessScope`` over given values that can tell which variables were written."""
+
+    def __init__(self, variables: list, values: list) -> None:
+        self.scope = keras.StatelessScope(state_mapping=list(zip(variables, values, strict=True)),
+                                          collect_losses=True)
+        self.initial = dict(self.scope.state_mapping)
+
+    def written(self, variables: list) -> list:
+        """What each variable was assigned inside the scope; ``None`` where it was not."""
+        out = []
+        for v in variables:
+            value = self.scope.get_current_value(v)
+            out.append(None if value is self.initial.get(id(v)) else value)
+        return out
+
+
+@contextlib.contextmanager
+def stateless(variables: list, values: list):
+    """Every variable of ``variables`` reads as its entry of ``values``; writes are kept in the
+    yielded scope (``scope.written(variables)``) and never reach the variables."""
+    holder = _Scope(variables, values)
+    with holder.scope:
+        yield holder
+
+
+def assign_written(variables: list, written: list) -> None:
+    """Assign what :meth:`_Scope.written` found (dropout seed states, moving statistics), as an
+    ordinary call would have written it."""
+    for variable, value in zip(variables, written, strict=True):
+        if value is not None:
+            variable.assign(value)

@@ -19,7 +19,6 @@ TensorFlow hazards (pfor's missing converters, the segfault) do not arise.
 
 from __future__ import annotations
 
-import contextlib
 from typing import Any
 
 import jax
@@ -28,7 +27,7 @@ import keras
 from keras import ops
 
 from pergrad._compat import autocast_scope, call_takes_training
-from pergrad.engine.functional import example_loss, one_example_call
+from pergrad.engine.functional import assign_written, example_loss, one_example_call, stateless
 from pergrad.engine.intercept import record_calls
 from pergrad.engine.losses import weighted_losses
 from pergrad.engine.plan import Plan, draws_random
@@ -41,40 +40,6 @@ from pergrad.rules.forms import Materialized
 def current_values(variables: list) -> list:
     """The values ``variables`` read as now: the traced ones inside :func:`stateless`."""
     return [v.value for v in variables]
-
-
-class _Scope:
-    """A ``keras.StatelessScope`` over given values that can tell which variables were written."""
-
-    def __init__(self, variables: list, values: list) -> None:
-        self.scope = keras.StatelessScope(state_mapping=list(zip(variables, values, strict=True)),
-                                          collect_losses=True)
-        self.initial = dict(self.scope.state_mapping)
-
-    def written(self, variables: list) -> list:
-        """What each variable was assigned inside the scope; ``None`` where it was not."""
-        out = []
-        for v in variables:
-            value = self.scope.get_current_value(v)
-            out.append(None if value is self.initial.get(id(v)) else value)
-        return out
-
-
-@contextlib.contextmanager
-def stateless(variables: list, values: list):
-    """Every variable of ``variables`` reads as its entry of ``values``; writes are kept in the
-    yielded scope (``scope.written(variables)``) and never reach the variables."""
-    holder = _Scope(variables, values)
-    with holder.scope:
-        yield holder
-
-
-def assign_written(variables: list, written: list) -> None:
-    """Assign what :meth:`_Scope.written` found (dropout seed states, moving statistics), as an
-    ordinary call would have written it."""
-    for variable, value in zip(variables, written, strict=True):
-        if value is not None:
-            variable.assign(value)
 
 
 def _is_array(leaf) -> bool:

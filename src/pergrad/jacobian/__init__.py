@@ -1,8 +1,10 @@
-"""Reusable compiled Jacobians, JVPs, VJPs and Hessians for Keras 3 on TensorFlow and JAX.
+"""Reusable compiled Jacobians, JVPs, VJPs and Hessians for Keras 3 on TensorFlow, JAX and
+PyTorch.
 
 ``jacobian(f)`` returns a callable that is traced once per input signature and reused
-(``tf.function`` on TensorFlow; ``jax.jit`` over the Keras variables' values on JAX, in
-`_on_jax`):
+(``tf.function`` on TensorFlow; ``jax.jit`` over the Keras variables' values on JAX; on
+PyTorch, which runs eagerly, ``torch.func`` transforms built once and run at every call;
+`_functional` holds what JAX and PyTorch share):
 
     jac = jacobian(model, batched=True)   # mode="auto": reverse or forward mode by size
     J = jac(x)                            # (B, *out_shape, *in_shape)

@@ -8,7 +8,7 @@ from typing import Any
 
 import keras
 
-from pergrad.backend import is_jax, require_supported
+from pergrad.backend import is_tensorflow, require_supported
 from pergrad.backend.lazy import tensorflow as tf
 from pergrad.jacobian import _modes
 from pergrad.jacobian._call import (
@@ -25,11 +25,12 @@ from pergrad.jacobian._structure import flatten, input_size, leaf_paths, rank, t
 
 def _math() -> ModuleType:
     """The module with this backend's `jacobian_rev`, `jacobian_fwd`, `hessian_fwd_over_rev`
-    and `output_sizes` (same signatures): `_modes` on TensorFlow, `_on_jax` on JAX."""
-    if is_jax():
-        from pergrad.jacobian import _on_jax
+    and `output_sizes` (same signatures): `_modes` on TensorFlow, `_functional` on JAX and
+    PyTorch."""
+    if not is_tensorflow():
+        from pergrad.jacobian import _functional
 
-        return _on_jax
+        return _functional
     return _modes
 
 
@@ -78,16 +79,17 @@ class _CompiledDerivative:
         self._built = False
         self.input_signature = input_signature
         self._signature_fn: Traced | None = None
-        if is_jax():
+        if not is_tensorflow():
             if input_signature is not None:
                 raise NotImplementedError(
                     f"{what}: input_signature is a tf.function feature and has no meaning on "
                     "JAX, where jax.jit compiles once per input shape (a new batch size traces "
-                    "once more). Leave input_signature=None."
+                    "once more), or on PyTorch, where nothing is compiled. Leave "
+                    "input_signature=None."
                 )
-            from pergrad.jacobian import _on_jax
+            from pergrad.jacobian import _functional
 
-            self._dispatch = _on_jax.Dispatch(self._build, f)
+            self._dispatch = _functional.Dispatch(self._build, f)
             return
         self._dispatch = ShapeDispatch(self._build, name=what, jit_compile=self.jit_compile)
         if input_signature is not None:
@@ -118,10 +120,10 @@ class _CompiledDerivative:
         if self._signature_fn is not None:
             self._last_key = "input_signature"
             return self._signature_fn(*args)
-        if is_jax():
-            from pergrad.jacobian import _on_jax
+        if not is_tensorflow():
+            from pergrad.jacobian import _functional
 
-            key = _on_jax.structural_key(args, self.batched)
+            key = _functional.structural_key(args, self.batched)
         else:
             key = structural_key(args, self.batched)
         self._last_key = key
@@ -129,10 +131,10 @@ class _CompiledDerivative:
 
     def _convert(self, arg: Any, pos: int) -> Any:
         """Differentiated argument: float tensors pass through; others converted or refused."""
-        if is_jax():
-            from pergrad.jacobian import _on_jax
+        if not is_tensorflow():
+            from pergrad.jacobian import _functional
 
-            return _on_jax.convert(arg, pos, self._what)
+            return _functional.convert(arg, pos, self._what)
         if isinstance(arg, tf.Tensor) and arg.dtype.is_floating:
             return arg  # fast path: the common case costs one isinstance check
         what = self._what
@@ -227,7 +229,7 @@ class Jacobian(_CompiledDerivative):
         return self._mode_by_key.get(self._last_key)
 
     def _compute(self, fn: Callable[[Any], Any], x: Any, x_paths: list[str], key: Hashable) -> Any:
-        mode = self.mode_requested
+        mode = self._mode_by_key.get(key, self.mode_requested)  # PyTorch runs this every call
         math = _math()
         if mode == "auto":
             n_in = input_size(x, x_paths, batched=self.batched, what="jacobian")

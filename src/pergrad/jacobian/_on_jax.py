@@ -1,585 +1,91 @@
-"""The JAX side of `pergrad.jacobian`: the math of `_modes` on ``jax.vjp``, ``jax.jvp`` and
-``jax.vmap``, compiled by ``jax.jit`` over the values of the Keras variables f reads.
-
-Everything else (argument checks, argnums, the mode rule, leaf names, shape and output checks,
-the nesting of blocks, the per-f cache) is shared with TensorFlow; only what follows is JAX's.
-
-**State.** A compiled computation takes the values of the Keras variables f uses (a Keras
-layer's ``variables``, and any other variable f was seen to read) as arguments of its
-``jax.jit`` (:func:`pergrad.engine.on_jax.compile_function`): new weights are read at every
-call without retracing, never baked in as constants. The functions differentiated are pure:
-f runs inside them under a ``keras.StatelessScope`` (:class:`_Reads`) mapping those variables
-to their values, so what f assigns (dropout seed states, BatchNorm's moving statistics with
-``training=True``) leaves ``jax.vjp``/``jax.jvp`` as an auxiliary output, never as a tracer
-stored in a variable, and is written back once per call. The scope notes any other variable
-f reads or writes; a trace that met one is abandoned (before XLA compiles it) and traced again
-with that variable among the arguments.
-
-**Math** (as in `_modes`). Reverse mode: one ``jax.vjp``, then the pullback of every one-hot
-cotangent, vmapped. Forward mode: ``jax.jvp`` along every one-hot tangent, vmapped; the primal
-computation does not depend on the tangent, so ``vmap`` leaves it unbatched. Hessians:
-``jax.jvp`` of ``jax.grad`` (forward-over-reverse). Batched Jacobians share one basis vector
-across the batch. ``chunk_size`` maps over chunks in sequence (``jax.lax.map(batch_size=)``).
-"""
+"""The JAX primitives of `pergrad.jacobian._functional`: ``jax.vjp``, ``jax.jvp``, ``jax.grad``
+and ``jax.vmap`` inside one ``jax.jit`` over the values of the Keras variables f reads."""
 
 from __future__ import annotations
 
-import contextlib
-import threading
-from collections.abc import Callable, Hashable
+from collections.abc import Callable
 from typing import Any
 
 import jax
 import jax.numpy as jnp
-import keras
 import numpy as np
 
 from pergrad.engine.on_jax import compile_function
-from pergrad.jacobian._call import make_caller, primal_args
-from pergrad.jacobian._compile import compiled_for
-from pergrad.jacobian._structure import (
-    block_shape,
-    check_float_outputs,
-    check_static_batch,
-    flatten,
-    leaf_paths,
-    num_elements,
-    pack_as,
-    pack_blocks,
-    single_output,
-    static_shape,
-    to_tensor,
-)
+from pergrad.jacobian._structure import num_elements
+
+TRACES = True  # `compile` traces its body once per shape: `trace_count` counts the traces
 
 
-# -- Keras variables as values ----------------------------------------------------------------
-class _Reads(keras.StatelessScope):
-    """A StatelessScope over given values that notes every other Keras variable used."""
-
-    def __init__(self, pairs: list, unmapped: dict) -> None:
-        super().__init__(state_mapping=pairs)
-        self._initial = dict(self.state_mapping)
-        self._unmapped = unmapped
-
-    def get_current_value(self, variable: Any) -> Any:
-        value = super().get_current_value(variable)
-        if value is None:
-            self._unmapped.setdefault(id(variable), variable)
-        return value
-
-    def add_update(self, update: tuple) -> None:
-        if id(update[0]) not in self._initial:
-            self._unmapped.setdefault(id(update[0]), update[0])
-        super().add_update(update)
-
-    def writes(self, variables: list) -> list:
-        """What f assigned to each of `variables`; None where it assigned nothing."""
-        out = []
-        for v in variables:
-            value = self.state_mapping.get(id(v))
-            out.append(None if value is self._initial.get(id(v)) else value)
-        return out
+def compile(state: Any, body: Callable[..., Any]) -> Callable[..., Any]:
+    """``body(*args)`` as one ``jax.jit`` over ``args`` and the values of ``state.variables``,
+    writing back what the body assigned (`_functional.keep`)."""
+    return compile_function(state, body, lambda: None)
 
 
-class State:
-    """The Keras variables a compiled computation reads besides its arguments."""
-
-    def __init__(self, f: Any) -> None:
-        self.variables: list = list(f.variables) if isinstance(f, keras.Layer) else []
-        self.unmapped: dict[int, Any] = {}
-        self.values: list = []  # while tracing: the traced values of `variables`
-
-    def learn(self) -> bool:
-        """Adds the variables f used unmapped; True when there were new ones."""
-        known = {id(v) for v in self.variables}
-        new = [v for key, v in self.unmapped.items() if key not in known]
-        self.unmapped.clear()
-        self.variables.extend(new)
-        return bool(new)
-
-
-_ACTIVE = threading.local()  # the State of the computation being traced
-
-
-@contextlib.contextmanager
-def _tracing(state: State):
-    previous = getattr(_ACTIVE, "state", None)
-    _ACTIVE.state = state
-    state.values = [v.value for v in state.variables]  # compile_function's traced values
-    try:
-        yield
-    finally:
-        _ACTIVE.state = previous
-        state.values = []
-
-
-def stateless(fn: Callable[[Any], Any], bind: Callable[[Any], list] | None = None):
-    """``fn`` as a pure function ``d -> (fn(d), writes)`` of the traced computation's state.
-
-    ``bind(d)`` gives further (variable, value) pairs to map (primals that are variables).
-    `keep` writes ``writes`` back."""
-    state = _ACTIVE.state
-    variables, values = list(state.variables), list(state.values)
-
-    def pure(d: Any) -> tuple[Any, list]:
-        pairs = list(zip(variables, values, strict=True)) + (bind(d) if bind else [])
-        with _Reads(pairs, state.unmapped) as scope:
-            y = fn(d)
-        return y, scope.writes(variables)
-
-    return pure
-
-
-def keep(writes: list) -> None:
-    """Assigns what f wrote (see `stateless`) in the compiled call's scope, from where
-    ``compile_function`` writes it to the variables after the call."""
-    variables = _ACTIVE.state.variables
-    for variable, value in zip(variables, writes, strict=True):
-        if value is not None:
-            variable.assign(value)
-
-
-def _first(stacked_writes: list) -> list:
-    """Writes from a vmapped or chunked product: every product wrote the same; keep one."""
-    return [None if w is None else w[0] for w in stacked_writes]
-
-
-# -- compilation ------------------------------------------------------------------------------
-class _Retrace(Exception):
-    """A trace used a Keras variable that is not among its arguments yet."""
-
-
-def _is_array(leaf: Any) -> bool:
+def is_array(leaf: Any) -> bool:
     return isinstance(leaf, (jax.Array, np.ndarray, np.generic))
 
 
-def _static_key(leaf: Any) -> Hashable:
-    try:
-        hash(leaf)
-    except TypeError:
-        return ("id", id(leaf))  # the compiled object's template keeps `leaf` alive
-    return (type(leaf).__name__, leaf)
+def is_float_array(leaf: Any) -> bool:
+    return isinstance(leaf, jax.Array) and jnp.issubdtype(leaf.dtype, jnp.floating)
 
 
-def structural_key(args: tuple, batched: bool) -> Hashable:
-    """Nesting, dtypes, the shapes that fix the Jacobian's layout (all but the batch dimension
-    when batched; ``jax.jit`` traces each batch size itself) and the Python values of `args`."""
-    leaves = flatten(args)
-    keys = []
-    for leaf in leaves:
-        if _is_array(leaf):
-            shape = tuple(leaf.shape)
-            keys.append(("T", str(leaf.dtype), (None, *shape[1:]) if batched and shape else shape))
-        else:
-            keys.append(("P", _static_key(leaf)))
-    return repr(pack_as(args, [0] * len(leaves))), tuple(keys)
+def detach(value: Any) -> Any:
+    return value  # a JAX array carries no autograd history
 
 
-class Compiled:
-    """``run(*args)`` as one ``jax.jit`` over the arrays in args and the values of `state`'s
-    variables; other leaves of args (Python values) are constants of the trace, so call it
-    with the same ones each time (`Dispatch` keys by them). `trace_count` counts the traces
-    kept (a trace abandoned to add a variable is not counted)."""
-
-    def __init__(self, run: Callable[..., Any], state: State, *, all_arrays: bool = False) -> None:
-        self.trace_count = 0
-        self._run = run
-        self._state = state
-        self._all_arrays = all_arrays  # args are pytrees of arrays (jax.jit flattens them)
-        self._template: tuple | None = None
-        self._call: Callable[..., Any] | None = None
-
-    def _body(self, *dynamic: Any) -> Any:
-        if self._all_arrays:
-            args = dynamic
-        else:
-            structure, leaves, arrays = self._template
-            it = iter(dynamic)
-            full = [next(it) if a else leaf for leaf, a in zip(leaves, arrays, strict=True)]
-            args = pack_as(structure, full)
-        with _tracing(self._state):
-            out = self._run(*args)
-        if self._state.learn():
-            raise _Retrace
-        self.trace_count += 1
-        return out
-
-    def __call__(self, *args: Any) -> Any:
-        if self._all_arrays:
-            dynamic = args
-        else:
-            leaves = flatten(args)
-            arrays = [_is_array(leaf) for leaf in leaves]
-            dynamic = [leaf for leaf, a in zip(leaves, arrays, strict=True) if a]
-            if self._template is None:
-                constants = [None if a else leaf for leaf, a in zip(leaves, arrays, strict=True)]
-                self._template = (args, constants, arrays)
-        if self._call is None:
-            self._call = compile_function(self._state, self._body, lambda: None)
-        while True:
-            try:
-                return self._call(*dynamic)
-            except _Retrace:
-                continue  # traced again with the new variables' values as arguments
+def as_array(value: Any, like: Any, *, cast: bool = False) -> Any:
+    """`value` as an array of `like`'s dtype; an array passes unchanged unless ``cast``."""
+    if isinstance(value, jax.Array) and not cast:
+        return value
+    return jnp.asarray(value, dtype=like.dtype)
 
 
-class Dispatch:
-    """One `Compiled` per structural key, sharing what they learn about f's variables."""
-
-    def __init__(self, build: Callable[[Hashable], Callable[..., Any]], f: Any) -> None:
-        self._build = build
-        self._state = State(f)
-        self._by_key: dict[Hashable, Compiled] = {}
-        self._lock = threading.Lock()
-
-    @property
-    def trace_count(self) -> int:
-        return sum(c.trace_count for c in self._by_key.values())
-
-    def __call__(self, key: Hashable, *args: Any) -> Any:
-        compiled = self._by_key.get(key)
-        if compiled is None:
-            with self._lock:
-                compiled = self._by_key.setdefault(key, Compiled(self._build(key), self._state))
-        return compiled(*args)
+def vjp(fn: Callable[[Any], tuple[Any, Any]], x: Any) -> tuple[Any, Callable, Any]:
+    """``(y, pullback, aux)`` for ``fn(x) = (y, aux)``."""
+    return jax.vjp(fn, x, has_aux=True)
 
 
-def convert(arg: Any, pos: int, what: str) -> Any:
-    """A differentiated argument: float arrays pass; others are converted or refused."""
-    if isinstance(arg, jax.Array) and jnp.issubdtype(arg.dtype, jnp.floating):
-        return arg
-    paths = leaf_paths(arg, f"args[{pos}]")
-    converted = [to_tensor(leaf, p, what) for leaf, p in zip(flatten(arg), paths, strict=True)]
-    for leaf, p in zip(converted, paths, strict=True):
-        if isinstance(leaf, keras.Variable):
-            raise TypeError(
-                f"{what}: {p} is a Keras variable; this transform differentiates with respect "
-                "to array arguments. Pass keras.ops.convert_to_tensor(v) and use it inside f, "
-                "or use pergrad.jacobian.jvp/vjp/hvp, which accept variables."
-            )
-    return pack_as(arg, converted)
+def jvp(fn: Callable[..., tuple[Any, Any]], primals: tuple, tangents: tuple) -> tuple:
+    """``(y, J t, aux)`` for ``fn(*primals) = (y, aux)``."""
+    return jax.jvp(fn, primals, tangents, has_aux=True)
 
 
-# -- the math (inside a trace) ----------------------------------------------------------------
-def _basis(index: Any, shape: list[int], dtype: Any, like: Any) -> Any:
-    """The one-hot e_index of `shape`, broadcast to the shape of `like` if given (batched)."""
-    e = jnp.reshape(jax.nn.one_hot(index, num_elements(shape), dtype=dtype), shape)
-    return e if like is None else jnp.broadcast_to(e, like.shape)
+def grad(fn: Callable[[Any], tuple[Any, Any]]) -> Callable[[Any], tuple[Any, Any]]:
+    """``x -> (d fn(x)[0] / dx, aux)``."""
+    return jax.grad(fn, has_aux=True)
 
 
-def _stack_map(fn: Callable[[Any], Any], n: int, chunk_size: int | None) -> Any:
+def eval_shape(fn: Callable[[Any], Any], x: Any) -> Any:
+    """``fn(x)``'s structure, shapes and dtypes, abstractly (nothing runs)."""
+    return jax.eval_shape(fn, x)
+
+
+def stack_map(fn: Callable[[Any], Any], n: int, chunk_size: int | None, like: Any) -> Any:
     """``fn(i)`` for i in range(n), stacked: one vmap, or chunks of `chunk_size` in sequence."""
+    del like  # one device: XLA places the indices
     indices = jnp.arange(n)
     if chunk_size is None or chunk_size >= n:
         return jax.vmap(fn)(indices)
     return jax.lax.map(fn, indices, batch_size=chunk_size)
 
 
-def _shapes(ts: list, paths: list[str], batched: bool, what: str) -> list[list[int]]:
-    return [static_shape(t, p, batched=batched, what=what) for t, p in zip(ts, paths, strict=True)]
+def basis(index: Any, shape: list[int], dtype: Any, like: Any) -> Any:
+    """The one-hot e_index of `shape`, broadcast to the shape of `like` if given (batched)."""
+    e = jnp.reshape(jax.nn.one_hot(index, num_elements(shape), dtype=dtype), shape)
+    return e if like is None else jnp.broadcast_to(e, like.shape)
 
 
-def _batch(xs: list, ys: list, y_paths: list[str], batched: bool, what: str) -> int | None:
-    if not batched:
-        return None
-    batch = int(xs[0].shape[0])
-    for y, path in zip(ys, y_paths, strict=True):
-        check_static_batch(y, path, batch, what)
-    return batch
+def zeros(shape: list[int], dtype: Any, like: Any) -> Any:
+    del like  # one device: XLA places it
+    return jnp.zeros(shape, dtype)
 
 
-def _unit(shape_of: list[int], dtype: Any, like: Any, batched: bool, index: Any) -> Any:
-    return _basis(index, shape_of, dtype, like if batched else None)
+zeros_like = jnp.zeros_like
+reshape = jnp.reshape
+moveaxis = jnp.moveaxis
+sum = jnp.sum  # noqa: A001 - the primitive's name in every backend module
 
 
-def jacobian_rev(fn, x, *, batched: bool, chunk_size: int | None, x_paths: list[str],
-                 what: str = "jacobian") -> Any:
-    """Reverse mode: one ``jax.vjp``, the pullback of every one-hot cotangent, vmapped."""
-    y, pullback, writes = jax.vjp(stateless(fn), x, has_aux=True)
-    keep(writes)
-    xs, ys = flatten(x), flatten(y)
-    y_paths = leaf_paths(y, "output")
-    check_float_outputs(ys, y_paths, what)
-    in_shapes = _shapes(xs, x_paths, batched, what)
-    batch = _batch(xs, ys, y_paths, batched, what)
-    zeros = [jnp.zeros_like(t) for t in ys]
-    blocks = []
-    for k, (y_k, out_shape) in enumerate(zip(ys, _shapes(ys, y_paths, batched, what),
-                                             strict=True)):
-        m = num_elements(out_shape)
-        if m == 0:
-            blocks.append([jnp.zeros(block_shape(batch, out_shape, s), y_k.dtype)
-                           for s in in_shapes])
-            continue
-
-        def row(j, k=k, y_k=y_k, out_shape=out_shape):
-            cotangents = list(zeros)
-            cotangents[k] = _unit(out_shape, y_k.dtype, y_k, batched, j)
-            (grads,) = pullback(pack_as(y, cotangents))
-            return flatten(grads)
-
-        rows = _stack_map(row, m, chunk_size)  # per input leaf: (m, [B,] *in_shape)
-        blocks.append([
-            jnp.reshape(jnp.moveaxis(r, 0, 1) if batched else r,
-                        block_shape(batch, out_shape, s)).astype(y_k.dtype)
-            for r, s in zip(rows, in_shapes, strict=True)
-        ])
-    return pack_blocks(y, x, blocks)
-
-
-def jacobian_fwd(fn, x, *, batched: bool, chunk_size: int | None, x_paths: list[str],
-                 what: str = "jacobian") -> Any:
-    """Forward mode: ``jax.jvp`` along every one-hot tangent of each input leaf, vmapped."""
-    pure = stateless(fn)
-    xs = flatten(x)
-    y, _ = jax.eval_shape(pure, x)  # the outputs' structure, shapes and dtypes
-    ys = flatten(y)
-    y_paths = leaf_paths(y, "output")
-    check_float_outputs(ys, y_paths, what)
-    in_shapes = _shapes(xs, x_paths, batched, what)
-    out_shapes = _shapes(ys, y_paths, batched, what)
-    batch = _batch(xs, ys, y_paths, batched, what)
-    zeros = [jnp.zeros_like(t) for t in xs]
-    blocks = [[jnp.zeros(block_shape(batch, o, s), t.dtype) for s in in_shapes]
-              for o, t in zip(out_shapes, ys, strict=True)]
-    kept = False
-    for l_index, (x_l, in_shape) in enumerate(zip(xs, in_shapes, strict=True)):
-        n = num_elements(in_shape)
-        if n == 0:
-            continue
-
-        def column(i, l_index=l_index, x_l=x_l, in_shape=in_shape):
-            tangents = list(zeros)
-            tangents[l_index] = _unit(in_shape, x_l.dtype, x_l, batched, i)
-            _, out, writes = jax.jvp(pure, (x,), (pack_as(x, tangents),), has_aux=True)
-            return flatten(out), writes
-
-        columns, writes = _stack_map(column, n, chunk_size)  # per output: (n, [B,] *out)
-        if not kept:  # every product ran f from the same state: write once
-            keep(_first(writes))
-            kept = True
-        for k, (c, out_shape) in enumerate(zip(columns, out_shapes, strict=True)):
-            blocks[k][l_index] = jnp.reshape(jnp.moveaxis(c, 0, -1),
-                                             block_shape(batch, out_shape, in_shape))
-    return pack_blocks(y, x, blocks)
-
-
-def output_sizes(fn, x, *, batched: bool, what: str) -> int:
-    """Total (per-example if batched) number of output elements, from ``jax.eval_shape``
-    (abstract: f's writes in it are dropped)."""
-    y, _ = jax.eval_shape(stateless(fn), x)
-    ys, paths = flatten(y), leaf_paths(y, "output")
-    check_float_outputs(ys, paths, what)
-    return sum(num_elements(s) for s in _shapes(ys, paths, batched, what))
-
-
-def hessian_fwd_over_rev(fn, x, *, batched: bool, chunk_size: int | None, x_paths: list[str],
-                         what: str = "hessian") -> Any:
-    """Column i of H: ``jax.jvp`` of ``jax.grad`` along e_i, vmapped over i."""
-    pure = stateless(fn)
-    xs = flatten(x)
-    in_shapes = _shapes(xs, x_paths, batched, what)
-    batch = int(xs[0].shape[0]) if batched else None
-
-    def objective(d):
-        y, writes = pure(d)
-        y = single_output(y, batched, what)
-        if batched:
-            check_static_batch(y, "output", batch, what)
-            y = jnp.sum(y)
-        return y, writes
-
-    jax.eval_shape(objective, x)  # f's output checked even when every input is empty
-    gradient = jax.grad(objective, has_aux=True)
-    zeros = [jnp.zeros_like(t) for t in xs]
-    columns_by_tangent = []
-    for l_index, (x_l, in_shape) in enumerate(zip(xs, in_shapes, strict=True)):
-        n = num_elements(in_shape)
-        if n == 0:
-            columns_by_tangent.append(None)
-            continue
-
-        def column(i, l_index=l_index, x_l=x_l, in_shape=in_shape):
-            tangents = list(zeros)
-            tangents[l_index] = _unit(in_shape, x_l.dtype, x_l, batched, i)
-            _, hv, writes = jax.jvp(gradient, (x,), (pack_as(x, tangents),), has_aux=True)
-            return flatten(hv), writes
-
-        columns, writes = _stack_map(column, n, chunk_size)
-        if all(c is None for c in columns_by_tangent):
-            keep(_first(writes))
-        columns_by_tangent.append(columns)
-    blocks = []
-    for l1, (x1, shape1) in enumerate(zip(xs, in_shapes, strict=True)):
-        row = []
-        for columns, shape2 in zip(columns_by_tangent, in_shapes, strict=True):
-            shape = block_shape(batch, shape1, shape2)
-            if columns is None or num_elements(shape1) == 0:
-                row.append(jnp.zeros(shape, x1.dtype))
-            else:
-                row.append(jnp.reshape(jnp.moveaxis(columns[l1], 0, -1), shape))
-        blocks.append(row)
-    return pack_blocks(x, x, blocks)
-
-
-# -- one-shot products: jvp, vjp, hvp -----------------------------------------------------------
-class _Layout:
-    """Where the Keras variables sit among the primal leaves, and the primals' nesting: the
-    part of one call's primals that a compiled product keeps (its cache key holds the
-    variables' identities)."""
-
-    def __init__(self, structure: Any, slots: list) -> None:
-        self.structure = structure
-        self.slots = slots
-        self.key = (repr(structure), tuple(None if v is None else id(v) for v in slots))
-
-    def pack(self, flat: list) -> tuple:
-        return pack_as(self.structure, flat)
-
-    def bound(self, call: Callable[..., Any]):
-        """(fn, bind) for `stateless`: f of the flat primal arrays, the variables mapped to
-        their entries (f is called with the variables themselves)."""
-        slots = self.slots
-
-        def fn(flat: list) -> Any:
-            leaves = [a if v is None else v for v, a in zip(slots, flat, strict=True)]
-            return call(*self.pack(leaves))
-
-        def bind(flat: list) -> list:
-            return [(v, a) for v, a in zip(slots, flat, strict=True) if v is not None]
-
-        return fn, bind
-
-
-class _Primals:
-    """One call's primals: every leaf as an array (a Keras variable's as its value) and their
-    `_Layout`."""
-
-    def __init__(self, args: tuple, what: str) -> None:
-        if not args:
-            raise ValueError(f"{what}: primals is an empty tuple; pass f's arguments.")
-        leaves = flatten(args)
-        self.paths = leaf_paths(args, "primals")
-        converted = [to_tensor(leaf, p, what) for leaf, p in zip(leaves, self.paths, strict=True)]
-        slots = [v if isinstance(v, keras.Variable) else None for v in converted]
-        self.arrays = [v.value if s is not None else v for v, s in zip(converted, slots,
-                                                                          strict=True)]
-        self.layout = _Layout(pack_as(args, list(range(len(leaves)))), slots)
-
-    def pack(self, flat: list) -> tuple:
-        return self.layout.pack(flat)
-
-    def match(self, other: Any, name: str, what: str) -> list:
-        """Flat tangents/vectors checked against the primals' structure, dtypes and shapes."""
-        other_args, _ = primal_args(other)
-        try:
-            keras.tree.assert_same_structure(self.layout.structure, other_args)
-        except (ValueError, TypeError) as err:
-            raise ValueError(
-                f"{what}: {name} must have the same nested structure as primals. {err}"
-            ) from err
-        out = []
-        paths = [p.replace("primals", name, 1) for p in self.paths]
-        for p, t, path in zip(self.arrays, flatten(other_args), paths, strict=True):
-            t = t if isinstance(t, jax.Array) else jnp.asarray(t, dtype=p.dtype)
-            if t.dtype != p.dtype:
-                raise TypeError(f"{what}: {path} has dtype {t.dtype}, primal has {p.dtype}.")
-            if t.shape != p.shape:
-                raise ValueError(f"{what}: {path} has shape {t.shape}, primal has shape "
-                                 f"{p.shape}.")
-            out.append(t)
-        return out
-
-
-def _compiled(f: Any, kind: str, training: bool, primals: _Primals,
-              make_run: Callable[[Callable[..., Any], _Layout], Callable[..., Any]]) -> Compiled:
-    layout = primals.layout
-
-    def build(f_ref: Callable[[], Any]) -> Compiled:
-        def run(*args: Any) -> Any:
-            return make_run(make_caller(f_ref(), training, kind), layout)(*args)
-
-        return Compiled(run, State(f_ref()), all_arrays=True)
-
-    return compiled_for(f, kind, (bool(training), layout.key), build)
-
-
-def _jvp_run(call, layout):
-    def run(arrays, tangents):
-        fn, bind = layout.bound(call)
-        y, out, writes = jax.jvp(stateless(fn, bind), (arrays,), (tangents,), has_aux=True)
-        keep(writes)
-        return y, out
-    return run
-
-
-def _forward_run(call, layout):
-    def run(arrays):
-        fn, bind = layout.bound(call)
-        y, pullback, writes = jax.vjp(stateless(fn, bind), arrays, has_aux=True)
-        keep(writes)
-        return y, pullback  # a pytree: it leaves the jit and enters the next one
-    return run
-
-
-def _backward_run(call, layout):
-    def run(pullback, cotangents):
-        return pullback(cotangents)[0]
-    return run
-
-
-def _hvp_run(call, layout):
-    def run(arrays, vectors):
-        fn, bind = layout.bound(call)
-        pure = stateless(fn, bind)
-
-        def objective(a):
-            y, writes = pure(a)
-            return single_output(y, False, "hvp"), writes
-
-        _, hv, writes = jax.jvp(jax.grad(objective, has_aux=True), (arrays,), (vectors,),
-                                has_aux=True)
-        keep(writes)
-        return hv
-    return run
-
-
-def jvp(f: Any, primals: Any, tangents: Any, *, training: bool) -> tuple[Any, Any]:
-    args, _ = primal_args(primals)
-    prim = _Primals(args, "jvp")
-    tans = prim.match(tangents, "tangents", "jvp")
-    return _compiled(f, "jvp", training, prim, _jvp_run)(prim.arrays, tans)
-
-
-def vjp(f: Any, primals: Any, *, training: bool) -> tuple[Any, Callable[[Any], Any]]:
-    args, was_tuple = primal_args(primals)
-    prim = _Primals(args, "vjp")
-    outputs, pullback = _compiled(f, "forward", training, prim, _forward_run)(prim.arrays)
-    backward = _compiled(f, "vjp", training, prim, _backward_run)
-
-    def vjp_fn(cotangents: Any) -> Any:
-        try:
-            keras.tree.assert_same_structure(outputs, cotangents)
-        except (ValueError, TypeError) as err:
-            raise ValueError(
-                f"vjp_fn: cotangents must be structured like f's outputs. {err}"
-            ) from err
-        cts = keras.tree.map_structure(lambda y, u: jnp.asarray(u, dtype=y.dtype), outputs,
-                                       cotangents)
-        for y, u in zip(flatten(outputs), flatten(cts), strict=True):
-            if u.shape != y.shape:
-                raise ValueError(
-                    f"vjp_fn: a cotangent has shape {u.shape}, the matching output {y.shape}."
-                )
-        grads = prim.pack(backward(pullback, cts))
-        return grads if was_tuple else grads[0]
-
-    return outputs, vjp_fn
-
-
-def hvp(f: Any, primals: Any, vectors: Any, *, training: bool) -> Any:
-    args, was_tuple = primal_args(primals)
-    prim = _Primals(args, "hvp")
-    vecs = prim.match(vectors, "vectors", "hvp")
-    out = prim.pack(_compiled(f, "hvp", training, prim, _hvp_run)(prim.arrays, vecs))
-    return out if was_tuple else out[0]
+def cast(t: Any, dtype: Any) -> Any:
+    return t.astype(dtype)

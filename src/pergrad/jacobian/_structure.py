@@ -99,7 +99,8 @@ def check_float_outputs(ys: Sequence[tf.Tensor], paths: Sequence[str], what: str
     """Raises TypeError naming the output leaf when f returns something non-floating."""
     for y, path in zip(ys, paths, strict=True):
         if not (hasattr(y, "shape") and hasattr(y, "dtype")) or not is_floating(y.dtype):
-            kind = y.dtype.name if hasattr(y, "dtype") else type(y).__name__
+            kind = (keras.backend.standardize_dtype(y.dtype) if hasattr(y, "dtype")
+                    else type(y).__name__)
             raise TypeError(
                 f"{what}: f's {path} is {kind}; derivatives need floating outputs. "
                 "Return only floating tensors from f (cast, or drop integer outputs)."

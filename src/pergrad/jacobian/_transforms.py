@@ -19,7 +19,7 @@ from typing import Any
 import keras
 
 from pergrad._compat import backing_tf_variable
-from pergrad.backend import is_jax, require_supported
+from pergrad.backend import is_tensorflow, require_supported
 from pergrad.backend.lazy import tensorflow as tf
 from pergrad.jacobian._call import make_caller, primal_args
 from pergrad.jacobian._compile import Traced, compiled_for
@@ -199,10 +199,10 @@ def jvp(
     """
     require_supported("pergrad.jacobian.jvp")
     make_caller(f, training, "jvp")  # validates f and `training` now, not at trace time
-    if is_jax():
-        from pergrad.jacobian import _on_jax
+    if not is_tensorflow():
+        from pergrad.jacobian import _functional
 
-        return _on_jax.jvp(f, primals, tangents, training=training)
+        return _functional.jvp(f, primals, tangents, training=training)
     args, _ = primal_args(primals)
     prim = _Primals(args, "jvp")
     tans = _match(prim, tangents, "tangents", "jvp")
@@ -228,10 +228,10 @@ def vjp(
     """
     require_supported("pergrad.jacobian.vjp")
     make_caller(f, training, "vjp")
-    if is_jax():
-        from pergrad.jacobian import _on_jax
+    if not is_tensorflow():
+        from pergrad.jacobian import _functional
 
-        return _on_jax.vjp(f, primals, training=training)
+        return _functional.vjp(f, primals, training=training)
     args, was_tuple = primal_args(primals)
     prim = _Primals(args, "vjp")
     outputs = _compiled(f, "forward", training, prim, _build_forward)(prim.tensors)
@@ -277,10 +277,10 @@ def hvp(f: Callable[..., Any], primals: Any, vectors: Any, *, training: bool = F
     """
     require_supported("pergrad.jacobian.hvp")
     make_caller(f, training, "hvp")
-    if is_jax():
-        from pergrad.jacobian import _on_jax
+    if not is_tensorflow():
+        from pergrad.jacobian import _functional
 
-        return _on_jax.hvp(f, primals, vectors, training=training)
+        return _functional.hvp(f, primals, vectors, training=training)
     args, was_tuple = primal_args(primals)
     prim = _Primals(args, "hvp")
     vecs = _match(prim, vectors, "vectors", "hvp")

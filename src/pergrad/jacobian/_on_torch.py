@@ -1,0 +1,188 @@
+"""The PyTorch primitives of `pergrad.jacobian._functional`: ``torch.func.vjp``, ``jvp``,
+``grad`` and ``vmap``, run eagerly.
+
+Nothing is compiled: Keras's torch backend runs eagerly, and a built `Jacobian` is reused by
+keeping its Python function, not a trace (``trace_count`` stays 0). Each call reads the current
+values of the Keras variables f uses, detached from autograd: the weights are constants of the
+derivative (differentiate with respect to them by passing them as primals of `jvp`, `vjp` or
+`hvp`). What f assigns (dropout seed states, moving statistics) is held back during the call
+and written once after it, so a call abandoned to learn a new variable writes nothing.
+
+Random layers: ``torch.func.vmap`` runs with ``randomness="same"``, so every product of one
+call draws the same dropout mask (Keras seeds it from the seed state, the same for each).
+"""
+
+from __future__ import annotations
+
+import re
+import warnings
+from collections.abc import Callable
+from typing import Any
+
+import keras
+import numpy as np
+import torch
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+from pergrad.engine.functional import assign_written, stateless
+
+TRACES = False  # eager: nothing is traced, `trace_count` stays 0
+
+
+def compile(state: Any, body: Callable[..., Any]) -> Callable[..., Any]:
+    """``body(*args)`` run eagerly on the detached current values of ``state.variables``; what
+    the body assigned is written to the variables after it returns."""
+
+    def call(*args: Any) -> Any:
+        variables = list(state.variables)
+        with stateless(variables, [v.value.detach() for v in variables]) as scope:
+            out = body(*args)
+            writes = scope.written(variables)
+        assign_written(variables, writes)
+        return out
+
+    return call
+
+
+def is_array(leaf: Any) -> bool:
+    return isinstance(leaf, (torch.Tensor, np.ndarray, np.generic))
+
+
+def is_float_array(leaf: Any) -> bool:
+    return isinstance(leaf, torch.Tensor) and leaf.is_floating_point()
+
+
+def detach(value: Any) -> Any:
+    return value.detach()
+
+
+def as_array(value: Any, like: Any, *, cast: bool = False) -> Any:
+    """`value` as a tensor of `like`'s dtype and device; a tensor passes unchanged unless
+    ``cast``."""
+    if isinstance(value, torch.Tensor) and not cast:
+        return value
+    if isinstance(value, torch.Tensor):
+        return value.to(dtype=like.dtype, device=like.device)
+    return torch.as_tensor(np.asarray(value), dtype=like.dtype, device=like.device)
+
+
+class _Holes:
+    """Sets the None leaves of a structure aside and puts them back: ``torch.func``'s
+    transforms and ``vmap`` take tensors only, and f's writes are None where it wrote nothing."""
+
+    def __init__(self) -> None:
+        self._template: tuple | None = None
+
+    def take(self, tree: Any) -> list:
+        leaves = keras.tree.flatten(tree)
+        self._template = (tree, [leaf is None for leaf in leaves])
+        return [leaf for leaf in leaves if leaf is not None]
+
+    def put(self, tensors: list) -> Any:
+        tree, holes = self._template
+        it = iter(tensors)
+        return keras.tree.pack_sequence_as(tree, [None if hole else next(it) for hole in holes])
+
+
+def _with_tensor_aux(fn: Callable[..., tuple[Any, Any]], holes: _Holes) -> Callable:
+    def wrapped(*args: Any) -> tuple[Any, list]:
+        y, aux = fn(*args)
+        return y, holes.take(aux)
+
+    return wrapped
+
+
+def vjp(fn: Callable[[Any], tuple[Any, Any]], x: Any) -> tuple[Any, Callable, Any]:
+    """``(y, pullback, aux)`` for ``fn(x) = (y, aux)``; attention on its math kernel (`jvp`)."""
+    holes = _Holes()
+    with sdpa_kernel(SDPBackend.MATH):
+        y, pullback, aux = torch.func.vjp(_with_tensor_aux(fn, holes), x, has_aux=True)
+    return y, pullback, holes.put(aux)
+
+
+def jvp(fn: Callable[..., tuple[Any, Any]], primals: tuple, tangents: tuple) -> tuple:
+    """``(y, J t, aux)`` for ``fn(*primals) = (y, aux)``.
+
+    Scaled dot-product attention runs on its math kernel here and in `vjp`: PyTorch's fused
+    CPU kernel (``_scaled_dot_product_flash_attention_for_cpu``, which Keras's
+    ``MultiHeadAttention`` reaches) has no forward-mode derivative, and its backward no vmap
+    batching rule (vmap would loop over the cotangents)."""
+    holes = _Holes()
+    with sdpa_kernel(SDPBackend.MATH):
+        y, out, aux = torch.func.jvp(_with_tensor_aux(fn, holes), primals, tangents,
+                                     has_aux=True)
+    return y, out, holes.put(aux)
+
+
+def grad(fn: Callable[[Any], tuple[Any, Any]]) -> Callable[[Any], tuple[Any, Any]]:
+    """``x -> (d fn(x)[0] / dx, aux)``."""
+    holes = _Holes()
+    inner = torch.func.grad(_with_tensor_aux(fn, holes), has_aux=True)
+
+    def gradient(x: Any) -> tuple[Any, Any]:
+        g, aux = inner(x)
+        return g, holes.put(aux)
+
+    return gradient
+
+
+def eval_shape(fn: Callable[[Any], Any], x: Any) -> Any:
+    """``fn(x)``, run once without autograd: PyTorch has no abstract evaluation."""
+    with torch.no_grad():
+        return fn(x)
+
+
+def stack_map(fn: Callable[[Any], Any], n: int, chunk_size: int | None, like: Any) -> Any:
+    """``fn(i)`` for i in range(n), stacked along a new first axis by one ``torch.func.vmap``
+    (``chunk_size`` indices at a time when given); None leaves of ``fn``'s result stay None.
+
+    Where vmap cannot run f (Keras's torch convolutions make their input channels-last
+    contiguous, which vmap does not support inside a forward-mode product), the same products
+    run one at a time, with one warning: the same numbers, n times the calls."""
+    holes = _Holes()
+    indices = torch.arange(n, device=like.device)
+    try:
+        stacked = torch.func.vmap(lambda i: holes.take(fn(i)), randomness="same",
+                                  chunk_size=chunk_size)(indices)
+    except RuntimeError as err:
+        _warn_unvectorized(err, n)
+        rows = [holes.take(fn(i)) for i in indices]
+        stacked = [torch.stack(leaves) for leaves in zip(*rows, strict=True)]
+    return holes.put(stacked)
+
+
+_WARNED: set[str] = set()
+
+
+def _warn_unvectorized(err: RuntimeError, n: int) -> None:
+    plain = re.sub(r"\x1b\[[0-9;]*m", "", str(err))  # Keras bolds the op's message
+    lines = [line.strip() for line in plain.splitlines() if line.strip()]
+    reason = next((line for line in lines if "vmap" in line), lines[0] if lines else repr(err))
+    if reason not in _WARNED:
+        _WARNED.add(reason)
+        warnings.warn(
+            f"pergrad.jacobian: torch.func.vmap cannot run f ({reason[:200]}); its {n} "
+            "products run one at a time instead (the same numbers, slower). Reverse mode "
+            "(mode='rev') vectorizes where forward mode cannot.", stacklevel=3)
+
+
+def basis(index: Any, shape: list[int], dtype: Any, like: Any) -> Any:
+    """The one-hot e_index of `shape` (a comparison with ``arange``: ``one_hot`` has no batching
+    rule), broadcast to the shape of `like` if given (batched)."""
+    size = int(np.prod(shape, dtype=np.int64))
+    e = torch.reshape((torch.arange(size, device=index.device) == index).to(dtype), shape)
+    return e if like is None else e.expand(like.shape)
+
+
+def zeros(shape: list[int], dtype: Any, like: Any) -> Any:
+    return torch.zeros(shape, dtype=dtype, device=like.device)
+
+
+zeros_like = torch.zeros_like
+reshape = torch.reshape
+moveaxis = torch.movedim
+sum = torch.sum  # noqa: A001 - the primitive's name in every backend module
+
+
+def cast(t: Any, dtype: Any) -> Any:
+    return t.to(dtype)
