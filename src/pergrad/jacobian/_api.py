@@ -207,7 +207,8 @@ class Jacobian(_CompiledDerivative):
       mode_requested: "auto", "rev" or "fwd", as passed.
       mode: the mode used for the latest call's signature ("rev" or "fwd"); with
         ``mode="auto"`` it is None until the first call.
-      trace_count: how many times TensorFlow traced the computation.
+      trace_count: how many times the computation was traced (TensorFlow, JAX); on PyTorch,
+        which traces nothing, how many input structures it was built for.
     """
 
     _what = "jacobian"
@@ -287,7 +288,8 @@ def jacobian(
         at the vectorized width of one example's Jacobian (like ``batch_jacobian``).
       chunk_size: at most this many JVPs/VJPs are vectorized at once (bounds memory; each
         one covers the whole batch when batched); results are identical.
-      jit_compile: compile with XLA (on JAX everything is compiled by XLA: no effect).
+      jit_compile: compile with XLA (no effect on JAX, where XLA compiles everything, or on
+        PyTorch, where nothing is compiled).
       argnums: differentiate with respect to these positional arguments only (JAX
         convention); None means all of them. Others are passed through (tensors or Python
         values; a new Python value retraces).
@@ -295,13 +297,15 @@ def jacobian(
         statistics. Not allowed for plain functions.
       input_signature: optional `tf.TensorSpec` list for the positional arguments, as for
         `tf.function`; it must fix every dimension (all but the batch one when batched).
-        TensorFlow only (`NotImplementedError` on JAX, where each input shape traces once).
+        TensorFlow only (`NotImplementedError` on JAX, where each input shape traces once, and
+        on PyTorch).
 
     Returns:
       A `Jacobian`: call it with f's positional arguments. It is traced once per input
       signature (nesting, dtypes and shapes; with batched=True, a new batch size retraces at
       most once on TensorFlow, once per batch size on JAX) and reused for every later call.
-      It reads the current values of the Keras variables f uses at every call.
+      It reads the current values of the Keras variables f uses at every call. On PyTorch it
+      is built once per input structure and runs eagerly (`torch.func`).
     """
     require_supported("pergrad.jacobian")
     return Jacobian(

@@ -8,13 +8,13 @@ the nesting of blocks, the per-f cache) is shared with TensorFlow; only what fol
 **State.** A compiled computation reads the values of the Keras variables f uses (a Keras
 layer's ``variables``, and any other variable f was seen to read) as arguments: on JAX those of
 its ``jax.jit`` (:func:`pergrad.engine.on_jax.compile_function`), so new weights are read at
-every call without retracing, never baked in as constants; on PyTorch, which runs eagerly, their
-current values at every call, detached from autograd (the weights are constants of the
-derivative). The functions differentiated are pure: f runs inside them under a
-``keras.StatelessScope`` (:class:`_Reads`) mapping those variables to their values, so what f
-assigns (dropout seed states, BatchNorm's moving statistics with ``training=True``) leaves the
-``vjp``/``jvp`` as an auxiliary output, never as a tracer stored in a variable, and is written
-back once per call. The scope notes any other variable f reads or writes; a call that met one is
+every call without retracing, never baked in as constants; on PyTorch, which runs eagerly, a
+copy of their current values at every call, detached from autograd (the weights are constants
+of the derivative, and a pullback kept past the call keeps the values it ran with). The
+functions differentiated are pure: f runs inside them under a ``keras.StatelessScope``
+(:class:`_Reads`) mapping those variables to their values, so what f assigns (dropout seed
+states, BatchNorm's moving statistics with ``training=True``) leaves the ``vjp``/``jvp`` as an
+auxiliary output, never as a tracer stored in a variable, and is written back once per call. The scope notes any other variable f reads or writes; a call that met one is
 abandoned (on JAX before XLA compiles it; its writes are dropped) and run again with that
 variable among the arguments.
 
@@ -103,6 +103,9 @@ class State:
         self.variables: list = list(f.variables) if isinstance(f, keras.Layer) else []
         self.unmapped: dict[int, Any] = {}
         self.values: list = []  # while tracing: the traced values of `variables`
+        # PyTorch runs every call through `_tracing` (nothing is traced once and kept): its
+        # calls hold this lock, as they share `values`, `unmapped` and `variables`.
+        self.lock = threading.RLock()
 
     def learn(self) -> bool:
         """Adds the variables f used unmapped; True when there were new ones."""
@@ -192,7 +195,7 @@ class Compiled:
     variables (on PyTorch: run eagerly on their current values); other leaves of args (Python
     values) are constants of the trace, so call it with the same ones each time (`Dispatch`
     keys by them). `trace_count` counts the traces kept (a trace abandoned to add a variable
-    is not counted; PyTorch traces nothing, so it stays 0 there)."""
+    is not counted; on PyTorch, which traces nothing, it is 1 once the first call ran)."""
 
     def __init__(self, run: Callable[..., Any], state: State, *, all_arrays: bool = False) -> None:
         self.trace_count = 0
@@ -214,7 +217,8 @@ class Compiled:
             out = self._run(*args)
         if self._state.learn():
             raise _Retrace
-        self.trace_count += int(_backend().TRACES)
+        if _backend().TRACES or not self.trace_count:
+            self.trace_count += 1  # PyTorch: counts the one build, not every eager run
         return out
 
     def __call__(self, *args: Any) -> Any:

@@ -2,19 +2,29 @@
 ``grad`` and ``vmap``, run eagerly.
 
 Nothing is compiled: Keras's torch backend runs eagerly, and a built `Jacobian` is reused by
-keeping its Python function, not a trace (``trace_count`` stays 0). Each call reads the current
-values of the Keras variables f uses, detached from autograd: the weights are constants of the
-derivative (differentiate with respect to them by passing them as primals of `jvp`, `vjp` or
-`hvp`). What f assigns (dropout seed states, moving statistics) is held back during the call
-and written once after it, so a call abandoned to learn a new variable writes nothing.
+keeping its Python function, not a trace (``trace_count`` counts one build per input
+structure). Each call reads a copy of the current values of the Keras variables f uses,
+detached from autograd: the weights are constants of the derivative (differentiate with
+respect to them by passing them as primals of `jvp`, `vjp` or `hvp`), and a `vjp` pullback
+keeps the values it ran with when the weights change later. What f assigns (dropout seed
+states, moving statistics) is held back during the call and written once after it, so a call
+abandoned to learn a new variable writes nothing. Calls of one computation from several
+threads take turns (``State.lock``).
 
-Random layers: ``torch.func.vmap`` runs with ``randomness="same"``, so every product of one
-call draws the same dropout mask (Keras seeds it from the seed state, the same for each).
+Random layers: every product of one call draws the same dropout mask, as on the other
+backends. A seeded layer reads the same seed state in each (the scope maps it); an unseeded
+Keras dropout draws from torch's global generator, which ``vmap(randomness="same")`` draws
+once per vmap and which is put back to its state at the call's start before every vmap and
+every product run alone (:func:`_replaying_randomness`).
 """
 
 from __future__ import annotations
 
+import contextlib
+import inspect
+import os
 import re
+import threading
 import warnings
 from collections.abc import Callable
 from typing import Any
@@ -26,22 +36,73 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from pergrad.engine.functional import assign_written, stateless
 
-TRACES = False  # eager: nothing is traced, `trace_count` stays 0
+TRACES = False  # eager: nothing is traced, `trace_count` counts the one build
 
 
 def compile(state: Any, body: Callable[..., Any]) -> Callable[..., Any]:
-    """``body(*args)`` run eagerly on the detached current values of ``state.variables``; what
-    the body assigned is written to the variables after it returns."""
+    """``body(*args)`` run eagerly on copies of the current values of ``state.variables``
+    (`detach`); what the body assigned is written to the variables after it returns."""
 
     def call(*args: Any) -> Any:
-        variables = list(state.variables)
-        with stateless(variables, [v.value.detach() for v in variables]) as scope:
-            out = body(*args)
-            writes = scope.written(variables)
-        assign_written(variables, writes)
+        with state.lock, _replaying_randomness():
+            variables = list(state.variables)
+            with stateless(variables, [detach(v.value) for v in variables]) as scope:
+                out = body(*args)
+                writes = scope.written(variables)
+            assign_written(variables, writes)
         return out
 
     return call
+
+
+_CALL = threading.local()  # the random generators' states at the start of the running call
+
+
+def _generator_states() -> tuple:
+    cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None
+    return torch.get_rng_state(), cuda
+
+
+def _set_generator_states(states: tuple) -> None:
+    cpu, cuda = states
+    torch.set_rng_state(cpu)
+    if cuda is not None:
+        torch.cuda.set_rng_state_all(cuda)
+
+
+def _same_states(a: tuple, b: tuple) -> bool:
+    return torch.equal(a[0], b[0]) and (a[1] is None) == (b[1] is None) and (
+        a[1] is None or all(torch.equal(x, y) for x, y in zip(a[1], b[1], strict=True)))
+
+
+@contextlib.contextmanager
+def _replaying_randomness():
+    """Notes torch's generator states at the start of a call, for :func:`_replay`, and leaves
+    them after the call as the call's first draws left them: the next call draws anew."""
+    previous = getattr(_CALL, "states", None)
+    _CALL.states = [_generator_states(), None]  # at the start; after the first draws
+    try:
+        yield
+        after = _CALL.states[1]
+        if after is not None:
+            _set_generator_states(after)
+    finally:
+        _CALL.states = previous
+
+
+def _replay() -> None:
+    """Puts torch's generators back to their states at the start of the running call, so that
+    every product draws what the call's first draws drew (noting, the first time, where those
+    draws left the generators)."""
+    states = getattr(_CALL, "states", None)
+    if states is None:
+        return
+    start, after = states
+    if after is None:
+        now = _generator_states()
+        if not _same_states(now, start):
+            states[1] = now
+    _set_generator_states(start)
 
 
 def is_array(leaf: Any) -> bool:
@@ -53,7 +114,9 @@ def is_float_array(leaf: Any) -> bool:
 
 
 def detach(value: Any) -> Any:
-    return value.detach()
+    """A copy outside autograd: Keras assigns torch variables in place, so a view would
+    change under a pullback kept past the call."""
+    return value.detach().clone()
 
 
 def as_array(value: Any, like: Any, *, cast: bool = False) -> Any:
@@ -127,7 +190,9 @@ def grad(fn: Callable[[Any], tuple[Any, Any]]) -> Callable[[Any], tuple[Any, Any
 
 
 def eval_shape(fn: Callable[[Any], Any], x: Any) -> Any:
-    """``fn(x)``, run once without autograd: PyTorch has no abstract evaluation."""
+    """``fn(x)``, run once without autograd: PyTorch has no abstract evaluation (one more
+    forward pass per call in forward mode and for Hessians)."""
+    _replay()
     with torch.no_grad():
         return fn(x)
 
@@ -138,32 +203,43 @@ def stack_map(fn: Callable[[Any], Any], n: int, chunk_size: int | None, like: An
 
     Where vmap cannot run f (Keras's torch convolutions make their input channels-last
     contiguous, which vmap does not support inside a forward-mode product), the same products
-    run one at a time, with one warning: the same numbers, n times the calls."""
+    run one at a time, with a warning: the same numbers, n times the calls."""
     holes = _Holes()
     indices = torch.arange(n, device=like.device)
+    _replay()
     try:
         stacked = torch.func.vmap(lambda i: holes.take(fn(i)), randomness="same",
                                   chunk_size=chunk_size)(indices)
     except RuntimeError as err:
+        if "vmap" not in str(err):
+            raise
         _warn_unvectorized(err, n)
-        rows = [holes.take(fn(i)) for i in indices]
+        rows = []
+        for i in indices:
+            _replay()
+            rows.append(holes.take(fn(i)))
         stacked = [torch.stack(leaves) for leaves in zip(*rows, strict=True)]
     return holes.put(stacked)
-
-
-_WARNED: set[str] = set()
 
 
 def _warn_unvectorized(err: RuntimeError, n: int) -> None:
     plain = re.sub(r"\x1b\[[0-9;]*m", "", str(err))  # Keras bolds the op's message
     lines = [line.strip() for line in plain.splitlines() if line.strip()]
-    reason = next((line for line in lines if "vmap" in line), lines[0] if lines else repr(err))
-    if reason not in _WARNED:
-        _WARNED.add(reason)
-        warnings.warn(
-            f"pergrad.jacobian: torch.func.vmap cannot run f ({reason[:200]}); its {n} "
-            "products run one at a time instead (the same numbers, slower). Reverse mode "
-            "(mode='rev') vectorizes where forward mode cannot.", stacklevel=3)
+    reason = next((line for line in lines if "vmap" in line), lines[0])
+    warnings.warn(
+        f"pergrad.jacobian: torch.func.vmap cannot run f ({reason[:200]}); its {n} products "
+        "run one at a time instead (the same numbers, slower).", stacklevel=_caller_level())
+
+
+_PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _caller_level() -> int:
+    """The ``stacklevel`` of the first frame outside pergrad: the user's call."""
+    frame, level = inspect.currentframe().f_back, 1
+    while frame is not None and os.path.abspath(frame.f_code.co_filename).startswith(_PACKAGE):
+        frame, level = frame.f_back, level + 1
+    return level
 
 
 def basis(index: Any, shape: list[int], dtype: Any, like: Any) -> Any:
