@@ -2,9 +2,9 @@
 
 Blocks fenced as ```text are shown, not run. Every page runs on TensorFlow; the pages in
 ``JAX_PAGES`` run on JAX too, each in a fresh ``KERAS_BACKEND=jax`` subprocess with 64-bit
-types turned on first, as docs/backends.md tells JAX users to. The JAX children are launched
-from the TensorFlow run of the suite (these tests are not marked ``all_backends``), as in
-tests/test_jax_distribution.py.
+types turned on first, as docs/backends.md tells JAX users to, and those in ``TORCH_PAGES`` on
+PyTorch (``KERAS_BACKEND=torch``). The children are launched from the TensorFlow run of the
+suite (these tests are not marked ``all_backends``), as in tests/test_jax_distribution.py.
 """
 
 from __future__ import annotations
@@ -36,6 +36,8 @@ JAX_PAGES = (
     "docs/analysis.md",
 )
 JAX_PRELUDE = 'import jax\njax.config.update("jax_enable_x64", True)\n'
+# The pages whose examples are run on PyTorch too (the others have not been run there yet).
+TORCH_PAGES = ("README.md", "docs/jacobian.md")
 
 
 def python_blocks(page: Path) -> list[str]:
@@ -62,3 +64,10 @@ def test_page_code_runs_on_jax(name, tmp_path):
     page = ROOT / name
     assert python_blocks(page), f"{name} has no ```python block to run on JAX"
     run_page(page, tmp_path, "jax", JAX_PRELUDE)
+
+
+@pytest.mark.parametrize("name", TORCH_PAGES)
+def test_page_code_runs_on_torch(name, tmp_path):
+    page = ROOT / name
+    assert python_blocks(page), f"{name} has no ```python block to run on PyTorch"
+    run_page(page, tmp_path, "torch")

@@ -44,6 +44,9 @@ def compile(state: Any, body: Callable[..., Any]) -> Callable[..., Any]:
     (`detach`); what the body assigned is written to the variables after it returns."""
 
     def call(*args: Any) -> Any:
+        # NumPy arrays reach f as tensors, as tf.function and jax.jit pass them (a NumPy
+        # array times a torch tensor fails)
+        args = keras.tree.map_structure(_tensor_if_numpy, args)
         with state.lock, _replaying_randomness():
             variables = list(state.variables)
             with stateless(variables, [detach(v.value) for v in variables]) as scope:
@@ -53,6 +56,11 @@ def compile(state: Any, body: Callable[..., Any]) -> Callable[..., Any]:
         return out
 
     return call
+
+
+def _tensor_if_numpy(leaf: Any) -> Any:
+    return keras.ops.convert_to_tensor(leaf) if isinstance(leaf, (np.ndarray, np.generic)) \
+        else leaf
 
 
 _CALL = threading.local()  # the random generators' states at the start of the running call
