@@ -39,7 +39,8 @@ def pytest_configure(config):
         "markers", "all_backends: runs on every Keras backend (KERAS_BACKEND=jax runs only these)")
 
 
-# Where the PyTorch engine is tested: here a NotImplementedError is a failure like any other.
+# Where PyTorch support is tested (the engine, pergrad.jacobian): here a NotImplementedError is
+# a failure like any other.
 _TORCH_PORTED = ("test_engine_oracle.py", "test_backends.py", "test_rules_", "test_losses.py",
                  "test_aggregate_backends.py", "test_stats.py", "test_jacobian.py")
 # The entry points documented as not ported to PyTorch: only their refusal becomes a skip.
@@ -64,8 +65,8 @@ def pytest_collection_modifyitems(config, items):
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_makereport(item, call):
     """On PyTorch, a marked test outside the ported modules that stops at a documented gap (a
-    ``NotImplementedError`` naming the backend and docs/backends.md, as ``PerExampleModel``
-    raises) is reported as skipped with that error as its reason; every other error fails."""
+    ``NotImplementedError`` naming the backend, as ``fit_distributed`` raises) is reported as
+    skipped with that error as its reason; every other error fails."""
     outcome = yield
     report = outcome.get_result()
     if (keras.backend.backend() != "torch" or call.excinfo is None or report.when != "call"

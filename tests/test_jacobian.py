@@ -91,7 +91,8 @@ MODEL_FD_RTOL, MODEL_FD_EPS, MODEL_REPEAT_RTOL = (
 
 @pytest.fixture(autouse=True)
 def _floatx64(float64):
-    """floatx float64: Keras layers and Python floats in float64 on both backends."""
+    """floatx float64: Keras layers and Python floats in float64 on every backend (on PyTorch,
+    Keras's Dense matmul still rounds as float32: see MODEL_REPEAT_RTOL)."""
     yield
 
 
@@ -636,7 +637,8 @@ def test_same_signature_never_retraces_new_batch_size_at_most_once(mode):
 @pytest.mark.parametrize("mode", ["rev", "fwd"])
 def test_new_weights_are_read_without_retracing(mode):
     """Compiled Jacobians and products read the variables at every call, whether f is the
-    model or a function that uses it (on JAX the variables' values are jit arguments)."""
+    model or a function that uses it (on JAX the variables' values are jit arguments; on
+    PyTorch a copy is read at every call)."""
     model = mlp(n_in=3, hidden=5, n_out=2)
     x = rand(4, 3, seed=30)
 

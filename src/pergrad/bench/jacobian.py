@@ -18,12 +18,13 @@ Methods (the first two are the baselines every ratio is taken against):
 
 Each call gets a new input tensor of the same shape. Warm-up calls (tracing) are excluded;
 methods are timed in interleaved rounds (shuffled order) so that they share the machine's
-state, and the table reports the median time per call and ratios to the two tape baselines
-measured in the same run.
+state, and the table reports the median time per call and ratios to the two baselines (the
+tapes on TensorFlow; the autograd loop and ``torch.func.jacrev`` on PyTorch) measured in the
+same run.
 Nothing here asserts on timings.
 
 Usage:
-  .venv/bin/python benchmarks/bench_jacobian.py [--quick] [--json PATH]
+  [KERAS_BACKEND=torch] .venv/bin/python benchmarks/bench_jacobian.py [--quick] [--json PATH]
 """
 
 from __future__ import annotations

@@ -1,6 +1,8 @@
 """What the functional engines (JAX, PyTorch) share: one example's call of a layer and one
-example's loss, both through ``stateless_call`` on the variables' values. Only the
-differentiation around them (``jax.grad``, ``torch.func.grad``) differs per backend."""
+example's loss, both through ``stateless_call`` on the variables' values, and the stateless
+scope (``stateless``, ``assign_written``) that ``engine.on_jax`` and ``jacobian._on_torch``
+run f in. Only the differentiation around them (``jax.grad``, ``torch.func.grad``) differs per
+backend."""
 
 from __future__ import annotations
 

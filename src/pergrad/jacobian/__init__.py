@@ -9,7 +9,8 @@ PyTorch, which runs eagerly, ``torch.func`` transforms built once and run at eve
     jac = jacobian(model, batched=True)   # mode="auto": reverse or forward mode by size
     J = jac(x)                            # (B, *out_shape, *in_shape)
 
-Independent of the rest of pergrad. See docs/jacobian.md.
+It uses nothing of the rest of pergrad but `pergrad.backend` and, on JAX and PyTorch, the
+engine's stateless helpers. See docs/jacobian.md.
 """
 
 import sys

@@ -278,9 +278,11 @@ def jacobian(
     outputs outer, inputs inner (a single tensor when both are single tensors).
 
     Args:
-      f: a Keras model or layer (called with ``training=training``), or a function of TF ops.
+      f: a Keras model or layer (called with ``training=training``), or a function of the
+        backend's ops.
       mode: ``"rev"`` (one VJP u^T J per output element, vectorized), ``"fwd"`` (one JVP J t
-        per input element with `tf.autodiff.ForwardAccumulator`, vectorized), or ``"auto"``:
+        per input element, vectorized: `tf.autodiff.ForwardAccumulator` on TensorFlow, ``jvp``
+        on JAX and PyTorch), or ``"auto"``:
         forward mode iff 1.5 x (input elements) < (output elements), per example when
         batched (a JVP costs about 1.5 VJPs). The choice is `Jacobian.mode` after a call.
       batched: f maps a batch to a batch with independent examples; returns per-example

@@ -19,7 +19,8 @@ def make_caller(f: Callable[..., Any], training: bool, what: str) -> Callable[..
     Keras layers and models default to ``training=False`` (inference: dropout off, BatchNorm
     with moving statistics). A plain function controls its own behaviour, so asking for
     ``training=True`` there is an error rather than a silently ignored flag. On TensorFlow a
-    plain function is converted by AutoGraph; JAX traces Python control flow as it is.
+    plain function is converted by AutoGraph; JAX traces, and PyTorch runs, Python control
+    flow as it is.
     """
     if not callable(f):
         raise TypeError(f"{what}: f must be callable (a Keras model or layer, or a function).")

@@ -173,7 +173,8 @@ def _weak_getter(f: Any) -> Callable[[], Any]:
 
 
 def trace_counts(f: Callable[..., Any]) -> dict[str, int]:
-    """How many times the one-shot helpers traced for f, by kind (``{"jvp": 1, ...}``).
+    """How many times the one-shot helpers traced for f, by kind (``{"jvp": 1, ...}``; on
+    PyTorch, which traces nothing, how many primal layouts they were built for).
 
     Calling `jvp`, `vjp` or `hvp` again with the same f and the same argument shapes and
     dtypes must leave these numbers unchanged; use it to check a training loop does not retrace.
