@@ -125,6 +125,29 @@ def test_held_value_and_autocast_scope():
         assert keras.backend.standardize_dtype(plain.kernel.value.dtype) == "float32"
 
 
+@pytest.mark.all_backends
+@pytest.mark.skipif(keras.backend.backend() != "torch", reason="Keras's torch convolution")
+def test_torch_convolutions_run_under_vmap_in_their_scope():
+    import torch
+    from keras.src.backend.torch import nn as torch_nn
+
+    original = torch_nn._maybe_convert_to_channels_last
+    layer = L.Conv2D(3, 2)
+    x = keras.ops.convert_to_tensor(np.random.default_rng(0).normal(size=(2, 4, 4, 2)),
+                                    "float32")
+    layer(x)
+    tangents = torch.eye(x.numel()).reshape(x.numel(), *x.shape)[:5]
+
+    def column(t):
+        return torch.func.jvp(layer, (x,), (t,))[1]
+
+    expected = torch.stack([column(t) for t in tangents])
+    with _compat.torch_convolutions_in_vmap(), _compat.torch_convolutions_in_vmap():
+        got = torch.func.vmap(column)(tangents)  # nested scopes: restored once, at the end
+    assert torch_nn._maybe_convert_to_channels_last is original
+    np.testing.assert_allclose(got.detach().numpy(), expected.detach().numpy(), atol=1e-6)
+
+
 def test_row_squared_norms_and_their_gradient_on_every_route():
     """``backend.ops.row_squared_norms``: TensorFlow's one-pass ``EuclideanNorm`` route (plain
     ``tf.function``) and the summed squares (``jit_compile=True``, where XLA has no

@@ -114,6 +114,35 @@ class SortedScale(keras.layers.Layer):
         return tf.sort(x * self.scale, axis=-1)
 
 
+class BranchingScale(keras.layers.Layer):
+    """Scales, after a Python branch on its input's values: torch.func.vmap refuses such
+    data-dependent control flow, a per-example call runs it."""
+
+    def build(self, input_shape):
+        self.scale = self.add_weight(shape=(input_shape[-1],), initializer="random_normal")
+
+    def call(self, x):
+        y = x * self.scale
+        return 2.0 * y if bool(keras.ops.all(keras.ops.isfinite(y))) else y
+
+
+@pytest.mark.all_backends
+@pytest.mark.skipif(keras.backend.backend() != "torch", reason="PyTorch's generic rule")
+def test_torch_generic_layer_vmap_cannot_run_takes_the_loop(float64):
+    inputs = keras.Input((5,))
+    outputs = L.Dense(2)(BranchingScale(name="branching_scale")(inputs))
+    model = keras.Model(inputs, outputs)
+    x, y = np.random.default_rng(1).normal(size=(4, 5)), np.ones((4, 2))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        got = pergrad.PerExample(model, "mse").gradients(x, y)
+    messages = [str(w.message) for w in caught if "branching_scale" in str(w.message)]
+    assert len(messages) == 1 and "per-example loop" in messages[0]
+    expected, _ = loop_gradients(model, keras_loss("mse"), x, y)
+    for g, e in zip(got, expected, strict=True):
+        assert_close(g, e)
+
+
 def test_unvectorizable_layer_falls_back_to_a_loop_and_warns_once(float64):
     inputs = keras.Input((5,))
     outputs = L.Dense(2)(SortedScale(name="sorted_scale")(inputs))

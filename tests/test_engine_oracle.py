@@ -115,12 +115,6 @@ def test_kept_weighted_sum_zeroes_dropped_rows(name, float64):
 def test_baseline_strategies_match_loop_oracle(name, strategy, float64):
     case = zoo.ALL[name]()
     pex = pergrad.PerExample(case.model, case.loss, strategy=strategy)
-    if keras.backend.backend() == "torch" and strategy == "vmap" and name.startswith("conv"):
-        # A documented gap (docs/backends.md): Keras's torch Conv copies its input to
-        # channels_last, which torch.func.vmap refuses; the baseline says so instead of looping.
-        with pytest.raises(NotImplementedError, match="strategy='vmap' on the PyTorch backend"):
-            pex.gradients(case.x, case.y, case.sample_weight)
-        return
     expected, _ = _oracle(case)
     grads = pex.gradients(case.x, case.y, case.sample_weight)
     for g, e in zip(grads, expected, strict=True):

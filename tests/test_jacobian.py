@@ -13,8 +13,10 @@ tanh, ...) return float32 for float64 inputs.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import types
+import warnings
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
@@ -241,12 +243,8 @@ def test_mlp_full_jacobian_matches_tape_and_fd(mode):
 def test_cnn_input_jacobian_batched_matches_batch_jacobian_and_fd(mode):
     model = small_cnn()
     x = rand(3, 6, 6, 2, seed=4)
-    if ON_TORCH and mode == "fwd":
-        # Keras's torch convolution makes its input channels-last contiguous, which vmap
-        # cannot do inside a forward-mode product: the 72 products run one at a time.
-        with pytest.warns(UserWarning, match="72 products run one at a time"):
-            J = jacobian(model, mode=mode, batched=True)(x)
-    else:
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # vectorized on every backend: no per-product loop
         J = jacobian(model, mode=mode, batched=True)(x)
     assert J.shape == (3, 4, 6, 6, 2)
     close(J, oracle_batch_jacobian(model, x))
@@ -679,10 +677,19 @@ def test_training_dropout_draws_a_new_mask_every_call(mode):
 
 @pytest.mark.skipif(ON_TF, reason="TensorFlow's forward mode runs f once per input leaf, each "
                     "drawing its own mask (docs/jacobian.md, Caveats)")
-def test_one_dropout_mask_per_call_across_input_leaves_and_convolutions():
+@pytest.mark.parametrize("vectorized", [True, False])
+def test_one_dropout_mask_per_call_across_input_leaves_and_convolutions(vectorized,
+                                                                        monkeypatch):
     """Every product of one call sees the same dropout mask: forward mode runs one set of
-    products per input leaf (and, on PyTorch, a convolution's products one at a time), and
-    each unit is dropped for both leaves or for neither."""
+    products per input leaf, and each unit is dropped for both leaves or for neither. On
+    PyTorch, ``vectorized=False`` takes away the scope that lets Keras's convolution run under
+    vmap, so the products run one at a time, each from the same generator state."""
+    if not vectorized:
+        if not ON_TORCH:
+            pytest.skip("only PyTorch runs products one at a time")
+        from pergrad.jacobian import _on_torch
+
+        monkeypatch.setattr(_on_torch, "torch_convolutions_in_vmap", contextlib.nullcontext)
     keras.utils.set_random_seed(8)
     a_in, b_in = keras.Input((5, 5, 2), dtype=F64), keras.Input((3,), dtype=F64)
     conv = keras.layers.Flatten(dtype=F64)(keras.layers.Conv2D(2, 3, dtype=F64)(a_in))
@@ -691,11 +698,13 @@ def test_one_dropout_mask_per_call_across_input_leaves_and_convolutions():
     model = keras.Model([a_in, b_in], keras.layers.Dropout(0.5, dtype=F64)(hidden))
     x = [rand(2, 5, 5, 2, seed=40), rand(2, 3, seed=41)]
     jac = jacobian(model, mode="fwd", batched=True, training=True)
-    if ON_TORCH:  # Keras's torch convolution cannot run inside vmap's forward-mode products
-        with pytest.warns(UserWarning, match="50 products run one at a time"):
+    if vectorized:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
             J = jac(x)
     else:
-        J = jac(x)
+        with pytest.warns(UserWarning, match="50 products run one at a time"):
+            J = jac(x)
     dropped_a = np.all(numpy(J[0]).reshape(2, 40, -1) == 0, axis=-1)
     dropped_b = np.all(numpy(J[1]).reshape(2, 40, -1) == 0, axis=-1)
     assert dropped_a.any() and not dropped_a.all()

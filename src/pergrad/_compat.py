@@ -8,6 +8,7 @@ Keras release that moves a name breaks one tested function here instead of the e
 from __future__ import annotations
 
 import contextlib
+import threading
 from typing import Any
 
 import keras
@@ -117,3 +118,42 @@ def held_value(variable: Any) -> Any:
     """The value a Keras variable holds, or ``None`` while Keras's JAX ``fit`` has moved it
     into its compiled loop (``Variable._value``; ``variable.value`` would fail then)."""
     return getattr(variable, "_value", None)
+
+
+_CHANNELS_LAST = {"lock": threading.Lock(), "depth": 0, "original": None}
+
+
+@contextlib.contextmanager
+def torch_convolutions_in_vmap():
+    """A scope in which Keras's torch convolutions run under ``torch.func.vmap``.
+
+    Keras's torch ``conv`` copies its input and kernel to channels-last memory
+    (``keras.src.backend.torch.nn._maybe_convert_to_channels_last``), a copy that vmap refuses
+    inside a forward-mode product. The scope skips that copy: the same numbers, only the
+    memory layout differs. Where Keras no longer has the name it does nothing (vmap may then
+    refuse, and the caller falls back to a loop). Nested and concurrent scopes restore the
+    original once the last one exits."""
+    try:
+        from keras.src.backend.torch import nn as torch_nn
+    except ImportError:  # pragma: no cover - not the torch backend, or Keras moved it
+        torch_nn = None
+    if torch_nn is None or not hasattr(torch_nn, "_maybe_convert_to_channels_last"):
+        yield
+        return
+    state = _CHANNELS_LAST
+    with state["lock"]:
+        if state["depth"] == 0:
+            state["original"] = torch_nn._maybe_convert_to_channels_last
+            torch_nn._maybe_convert_to_channels_last = _same_tensor
+        state["depth"] += 1
+    try:
+        yield
+    finally:
+        with state["lock"]:
+            state["depth"] -= 1
+            if state["depth"] == 0:
+                torch_nn._maybe_convert_to_channels_last = state["original"]
+
+
+def _same_tensor(tensor: Any) -> Any:
+    return tensor

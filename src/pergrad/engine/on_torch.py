@@ -14,10 +14,11 @@ computes only what reaches the taps: no weight gradient is formed. The recorded 
 detached before the rules see them.
 
 **Generic rule.** A layer without a rule gets ``g_i = d/dW <f(x_i; W), D_i>`` by
-``torch.func.vmap`` over examples of ``torch.func.grad`` through ``layer.stateless_call``. Where
-vmap cannot run the layer (an op without a batching rule that raises, a data-dependent branch),
-a per-example loop of the same function computes the same numbers, with one warning naming the
-layer. A layer that draws random numbers in training mode (dropout inside an LSTM) is replayed
+``torch.func.vmap`` over examples of ``torch.func.grad`` through ``layer.stateless_call`` (in
+`pergrad._compat.torch_convolutions_in_vmap`, so that Keras's convolutions run under vmap).
+Where vmap cannot run the layer (an op without a batching rule that raises, a data-dependent
+branch), a per-example loop of the same function computes the same numbers, with one warning
+naming the layer. A layer that draws random numbers in training mode (dropout inside an LSTM) is replayed
 on the whole batch with the seed state it ran with (the same mask) and differentiated per
 example by ``torch.func.jacrev``.
 """
@@ -30,7 +31,7 @@ from typing import Any
 import keras
 import torch
 
-from pergrad._compat import autocast_scope, call_takes_training
+from pergrad._compat import autocast_scope, call_takes_training, torch_convolutions_in_vmap
 from pergrad.engine.functional import example_loss, one_example_call
 from pergrad.engine.intercept import record_calls
 from pergrad.engine.losses import weighted_losses
@@ -169,7 +170,8 @@ def generic_forms(layer, call: LayerCall, grads: list, training: bool,
 
     example_leaves = [leaves[i] for i in batched]
     try:
-        per_example = torch.func.vmap(one_example)(example_leaves, list(grads))
+        with torch_convolutions_in_vmap():
+            per_example = torch.func.vmap(one_example)(example_leaves, list(grads))
     except Exception as error:  # noqa: BLE001 - vmap raises several types for what it cannot batch
         if id(layer) not in warned:
             warned.add(id(layer))
@@ -239,14 +241,14 @@ def run_vmap(model, loss_fn, x, y, sample_weight, training: bool) -> PerExampleR
         return loss, grads
 
     try:
-        losses, grads = torch.func.vmap(one)(x, y, _unit_weights(x, sample_weight))
+        with torch_convolutions_in_vmap():
+            losses, grads = torch.func.vmap(one)(x, y, _unit_weights(x, sample_weight))
     except Exception as error:  # noqa: BLE001 - vmap raises several types for what it cannot batch
         raise NotImplementedError(
             "strategy='vmap' on the PyTorch backend: torch.func.vmap cannot run this model "
-            f"({type(error).__name__}: {' '.join(str(error).split())[:300]}). Keras's torch "
-            "convolutions, "
-            "for one, copy their input to channels_last, which vmap does not support. Use "
-            "strategy='auto' (the default) or 'loop'; see docs/backends.md.") from error
+            f"({type(error).__name__}: {' '.join(str(error).split())[:300]}): one of its ops "
+            "has no vmap batching rule. Use strategy='auto' (the default) or 'loop'; see "
+            "docs/backends.md.") from error
     return _materialized(model, grads, losses, _predictions(model, x, training))
 
 

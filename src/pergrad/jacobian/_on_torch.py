@@ -34,6 +34,7 @@ import numpy as np
 import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
+from pergrad._compat import torch_convolutions_in_vmap
 from pergrad.engine.functional import assign_written, stateless
 
 TRACES = False  # eager: nothing is traced, `trace_count` counts the one build
@@ -209,15 +210,17 @@ def stack_map(fn: Callable[[Any], Any], n: int, chunk_size: int | None, like: An
     """``fn(i)`` for i in range(n), stacked along a new first axis by one ``torch.func.vmap``
     (``chunk_size`` indices at a time when given); None leaves of ``fn``'s result stay None.
 
-    Where vmap cannot run f (Keras's torch convolutions make their input channels-last
-    contiguous, which vmap does not support inside a forward-mode product), the same products
-    run one at a time, with a warning: the same numbers, n times the calls."""
+    Keras's torch convolutions copy their input to channels-last memory, which vmap refuses
+    inside a forward-mode product: the vmap runs in `pergrad._compat.torch_convolutions_in_vmap`,
+    which skips that copy. Where vmap still cannot run f (another op without a batching rule),
+    the same products run one at a time, with a warning: the same numbers, n times the calls."""
     holes = _Holes()
     indices = torch.arange(n, device=like.device)
     _replay()
     try:
-        stacked = torch.func.vmap(lambda i: holes.take(fn(i)), randomness="same",
-                                  chunk_size=chunk_size)(indices)
+        with torch_convolutions_in_vmap():
+            stacked = torch.func.vmap(lambda i: holes.take(fn(i)), randomness="same",
+                                      chunk_size=chunk_size)(indices)
     except RuntimeError as err:
         if "vmap" not in str(err):
             raise
