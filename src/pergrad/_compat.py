@@ -132,7 +132,8 @@ def torch_convolutions_in_vmap():
     inside a forward-mode product. The scope skips that copy: the same numbers, only the
     memory layout differs. Where Keras no longer has the name it does nothing (vmap may then
     refuse, and the caller falls back to a loop). Nested and concurrent scopes restore the
-    original once the last one exits."""
+    original once the last one exits; while one is open, every Keras torch convolution in the
+    process skips the copy (the same numbers, in the default memory layout)."""
     try:
         from keras.src.backend.torch import nn as torch_nn
     except ImportError:  # pragma: no cover - not the torch backend, or Keras moved it
