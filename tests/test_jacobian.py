@@ -761,6 +761,19 @@ def test_concurrent_calls_of_one_jacobian():
     assert not errors, errors
 
 
+@pytest.mark.skipif(not ON_TORCH, reason="TensorFlow's run is test_cli's bench smoke test; "
+                    "bench_jacobian has no JAX baselines")
+def test_bench_jacobian_runs_on_torch_and_agrees_with_its_baselines():
+    from pergrad.bench import jacobian as bench
+
+    rows = bench.run(quick=True)
+    assert {r["method"] for r in rows} == {"autograd loop", "torch.func jacrev", "pergrad rev",
+                                           "pergrad fwd", "pergrad auto"}
+    for r in rows:  # float32 models: every method's Jacobian equals torch.func.jacrev's
+        assert r["max_abs_diff_vs_baseline_2"] < 1e-5, r
+    assert "x vs torch.func jacrev" in bench.markdown(rows)
+
+
 @tf_only
 @pytest.mark.parametrize("mode", ["rev", "fwd"])
 def test_unknown_batch_output_mismatch_fails_at_run_time(mode):

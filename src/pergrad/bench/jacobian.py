@@ -40,7 +40,7 @@ from collections.abc import Callable
 import keras
 import numpy as np
 
-from pergrad.backend import is_torch
+from pergrad.backend import is_jax, is_torch
 from pergrad.backend.lazy import tensorflow as tf
 from pergrad.jacobian import jacobian
 
@@ -111,6 +111,10 @@ def _torch_baselines(model: keras.Model) -> dict[str, Callable]:
 
 
 def _methods(model: keras.Model) -> dict[str, tuple[Callable, object]]:
+    if is_jax():
+        raise NotImplementedError(
+            "bench_jacobian's baselines are TensorFlow's tapes or PyTorch's autograd; run it with "
+            "KERAS_BACKEND=tensorflow or KERAS_BACKEND=torch.")
     baselines = _torch_baselines(model) if is_torch() else _tensorflow_baselines(model)
     methods: dict[str, tuple[Callable, object]] = {
         name: (fn, None) for name, fn in baselines.items()}

@@ -36,6 +36,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from pergrad._compat import torch_convolutions_in_vmap
 from pergrad.engine.functional import assign_written, stateless
+from pergrad.jacobian._structure import num_elements
 
 TRACES = False  # eager: nothing is traced, `trace_count` counts the one build
 
@@ -256,7 +257,7 @@ def _caller_level() -> int:
 def basis(index: Any, shape: list[int], dtype: Any, like: Any) -> Any:
     """The one-hot e_index of `shape` (a comparison with ``arange``: ``one_hot`` has no batching
     rule), broadcast to the shape of `like` if given (batched)."""
-    size = int(np.prod(shape, dtype=np.int64))
+    size = num_elements(shape)
     e = torch.reshape((torch.arange(size, device=index.device) == index).to(dtype), shape)
     return e if like is None else e.expand(like.shape)
 
