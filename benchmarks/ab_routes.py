@@ -15,21 +15,27 @@ a route switched off (``--switch``):
 * ``xla_filter_sum``: on JAX, a one-dimensional stride-1 convolution's batch kernel gradient
   takes the GEMMs over shifted slices rather than XLA's filter gradient, and a clipped sum's
   norms the per-example products rather than the shifted ghost route
-  (``pergrad.rules.cost.xla_filter_gradient_wins``).
+  (``pergrad.rules.cost.xla_filter_gradient_wins``);
+* ``grouped``: on TensorFlow, a convolution with wide enough patches that takes neither the
+  shifted nor the folded route builds its patches rather than taking one grouped filter
+  gradient with the batch as groups (``pergrad.rules.cost.grouped_filter_gradients_win``).
 
-``folded``, ``one_pass_norms`` and ``pairwise_rows`` are TensorFlow routes; ``shifted_ghost``
+``folded``, ``one_pass_norms``, ``pairwise_rows`` and ``grouped`` are TensorFlow routes; ``shifted_ghost``
 runs on JAX too (``KERAS_BACKEND=jax``, against JAX's jitted batch gradient), and
 ``xla_filter_sum`` is a JAX route.
 
 Their norms and clipped sums and the batch gradient are timed alternately, so that both routes
 see the same machine state; medians are printed as ratios to the batch gradient. With
 ``--dp-step``, a ``PerExampleModel(dp_mean)`` training step traced with each route and the
-plain Keras step on the same weights join the rotation (ratios to the Keras step). Nothing
-here asserts on timings.
+plain Keras step on the same weights join the rotation (ratios to the Keras step); with
+``--monitor``, a ``PerExampleModel(mean())`` step with a ``GradientMonitor`` at every step traced
+with each route and the same step without the monitor (ratios to the latter). Nothing here
+asserts on timings.
 
     python benchmarks/ab_routes.py                        # folded, the benchmark CNN, batch 256
     python benchmarks/ab_routes.py --model cnn --batch 64 --rounds 40
     python benchmarks/ab_routes.py --switch one_pass_norms --model text_cnn
+    python benchmarks/ab_routes.py --switch grouped --model cnn --dp-step --monitor
     KERAS_BACKEND=jax python benchmarks/ab_routes.py --switch shifted_ghost --model text_cnn
     KERAS_BACKEND=jax python benchmarks/ab_routes.py --switch xla_filter_sum --model text_cnn --dp-step
 """
@@ -71,6 +77,8 @@ SWITCHES = {
                       lambda: _replaced(cost, "rows_pairwise_wins", lambda *a, **k: False)),
     "shifted_ghost": ("shifted ghost", "products",
                       lambda: _replaced(conv, "shifted_ghost_wins", lambda *a, **k: False)),
+    "grouped": ("grouped", "patches",
+                lambda: _replaced(conv, "grouped_filter_gradients_win", lambda *a, **k: False)),
     "xla_filter_sum": ("filter+ghost", "products",
                        lambda: _replaced(conv, "xla_filter_gradient_wins",
                                          lambda *a, **k: False)),
@@ -115,6 +123,20 @@ def _dp_steps(model, x, y, switched_off) -> dict:
     return {label: (lambda m=m: m.train_on_batch(x, y)) for label, m in steps.items()}
 
 
+def _monitored_steps(name: str, size: int, switched_off) -> dict:
+    """A ``PerExampleModel(mean())`` step with a ``GradientMonitor`` at every step, traced with
+    each route, and the same step without the monitor (TensorFlow)."""
+    from pergrad.bench.monitor import _step_fn
+    from pergrad.keras import GradientMonitor
+
+    steps = {"unmonitored step": _step_fn(name, None, size)}
+    for label, off in switched_off:
+        with off() if off else contextlib.nullcontext():
+            step = _step_fn(name, GradientMonitor(num_examples=size), size)  # traced here
+        steps[f"{label} monitored step"] = step
+    return steps
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--switch", default="folded", choices=sorted(SWITCHES))
@@ -123,6 +145,9 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=40)
     parser.add_argument("--dp-step", action="store_true",
                         help="also time a dp_mean training step per route against Keras's")
+    parser.add_argument("--monitor", action="store_true",
+                        help="also time a step with a GradientMonitor at every step per route "
+                             "against the step without it (TensorFlow)")
     args = parser.parse_args()
     if args.dp_step and keras.backend.backend() == "jax":
         import jax
@@ -139,11 +164,14 @@ def main() -> None:
         calls[f"{label} clipped_sum"] = lambda p=pex: p.clipped_sum(x, y, 1.0)
     routes = ((without_route, switch_off), (with_route, None))
     steps = _dp_steps(model, x, y, routes) if args.dp_step else {}
-    medians = alternating_medians({**calls, **steps}, args.rounds)
+    monitored = _monitored_steps(args.model, args.batch, routes) if args.monitor else {}
+    medians = alternating_medians({**calls, **steps, **monitored}, args.rounds)
     title = f"{args.model}, batch {args.batch}, {args.rounds} rounds (medians)"
-    print_ratios(title, {k: v for k, v in medians.items() if k not in steps}, "batch gradient")
+    print_ratios(title, {k: v for k, v in medians.items() if k in calls}, "batch gradient")
     if steps:
         print_ratios(title, {k: medians[k] for k in steps}, "keras step")
+    if monitored:
+        print_ratios(title, {k: medians[k] for k in monitored}, "unmonitored step")
 
 
 if __name__ == "__main__":

@@ -22,13 +22,14 @@ pytestmark = pytest.mark.skipif(not backend.is_tensorflow(), reason="inspects a 
 
 L = keras.layers
 LOSS = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
-# 3x3 x 16 input channels = 144 patch columns: the rule gathers them with ExtractImagePatches.
+# 5x5 x 8 input channels = 200 patch columns, dilated (so no grouped filter gradient): the
+# rule gathers them with ExtractImagePatches.
 PATCHES = "ExtractImagePatches"
 
 
 def _conv() -> keras.Model:
-    return keras.Sequential([keras.Input((8, 8, 16)),
-                             L.Conv2D(4, 3, strides=2, padding="same", activation="relu"),
+    return keras.Sequential([keras.Input((8, 8, 8)),
+                             L.Conv2D(4, 5, dilation_rate=2, padding="same", activation="relu"),
                              L.Flatten(), L.Dense(3)])
 
 
@@ -43,9 +44,9 @@ def _conv_transpose() -> keras.Model:
 MODELS = {"conv2d": _conv, "conv2d_transpose": _conv_transpose}
 
 
-def _data():
+def _data(channels: int = 8):
     rng = np.random.default_rng(0)
-    return (tf.constant(rng.normal(size=(6, 8, 8, 16)).astype("float32")),
+    return (tf.constant(rng.normal(size=(6, 8, 8, channels)).astype("float32")),
             tf.constant(rng.integers(0, 3, 6)))
 
 
@@ -79,7 +80,7 @@ def test_mean_computes_patches_only_in_its_nan_branch(name):
     def step(x, y):
         return mean(pex.compute(x, y))
 
-    x, y = _data()
+    x, y = _data(MODELS[name]().input_shape[-1])
     assert PATCHES not in _top_level_ops(step, x, y)
     assert PATCHES in _library_ops(step, x, y)  # the non-finite fallback's norms
 
@@ -94,7 +95,7 @@ def test_clip_mean_computes_patches_at_the_top_level(name):
     def step(x, y):
         return clip(pex.compute(x, y))
 
-    x, y = _data()
+    x, y = _data(MODELS[name]().input_shape[-1])
     assert PATCHES in _top_level_ops(step, x, y)
 
 
@@ -153,3 +154,62 @@ def test_a_monitored_mean_step_sums_from_the_statistics_matrices(every_n_steps):
     assert FILTER_GRADIENT not in monitored
     assert FILTER_GRADIENT in skipped
     assert PATCHES not in _top_level_ops(step, x, y)
+
+
+def _grouped() -> keras.Model:
+    # 3x3 x 16 input channels, strides 2: neither the shifted nor the folded route, and patches
+    # 144 wide, so on TensorFlow with oneDNN the products are one grouped filter gradient.
+    return keras.Sequential([keras.Input((8, 8, 16)),
+                             L.Conv2D(4, 3, strides=2, padding="same", activation="relu"),
+                             L.Flatten(), L.Dense(3)])
+
+
+def _grouped_filter_gradients(graph_def_nodes) -> int:
+    """How many of ``graph_def_nodes`` (``NodeDef``s of one function) are a grouped filter
+    gradient: a ``Conv2DBackpropFilter`` whose filter size is stacked from the batch size
+    (``(*k, C, B O)``), where a batch filter gradient reads its kernel's shape."""
+    by_name = {node.name: node for node in graph_def_nodes}
+    return sum(1 for node in graph_def_nodes if node.op == FILTER_GRADIENT
+               and by_name[node.input[1].split(":")[0].lstrip("^")].op == "Pack")
+
+
+def _grouped_at_top_level(fn, *args) -> int:
+    graph = fn.get_concrete_function(*args).graph
+    pending = [t.op for t in graph.outputs] + list(graph.control_outputs)
+    seen: set = set()
+    while pending:
+        op = pending.pop()
+        if op not in seen:
+            seen.add(op)
+            pending.extend(t.op for t in op.inputs)
+            pending.extend(op.control_inputs)
+    return _grouped_filter_gradients([op.node_def for op in seen])
+
+
+def _grouped_in_branches(fn, *args) -> int:
+    library = fn.get_concrete_function(*args).graph.as_graph_def().library
+    return sum(_grouped_filter_gradients(list(f.node_def)) for f in library.function)
+
+
+def test_grouped_products_only_where_the_norms_are_needed():
+    """The grouped route's per-example products: only in the non-finite branch of a ``mean()``
+    step, at the top level of a ``clip_mean`` step (the control)."""
+    from pergrad.rules.conv import grouped_filter_gradients_available
+
+    if not grouped_filter_gradients_available("float32"):  # tests/test_rules_conv.py says when
+        pytest.skip("TensorFlow without oneDNN kernels runs no grouped filter gradient")
+    pex = pergrad.PerExample(_grouped(), LOSS)
+    mean, clip = pergrad.aggregate.mean(), pergrad.aggregate.clip_mean(1.0)
+
+    @tf.function(autograph=False)
+    def mean_step(x, y):
+        return mean(pex.compute(x, y))
+
+    @tf.function(autograph=False)
+    def clip_step(x, y):
+        return clip(pex.compute(x, y))
+
+    x, y = _data(16)
+    assert _grouped_at_top_level(mean_step, x, y) == 0
+    assert _grouped_in_branches(mean_step, x, y) >= 1
+    assert _grouped_at_top_level(clip_step, x, y) >= 1

@@ -323,3 +323,129 @@ def test_map_in_chunks_keeps_rows_in_order():
         got = map_in_chunks(lambda p, q: p * q, (keras.ops.convert_to_tensor(a),
                                                  keras.ops.convert_to_tensor(b)), chunk)
         np.testing.assert_array_equal(keras.ops.convert_to_numpy(got), a * b)
+
+
+# Convolutions that take neither the shifted nor the folded route and whose patches are at least
+# GROUPED_MIN_PATCH_WIDTH wide: on TensorFlow, in float32, their per-example products come from
+# one grouped filter gradient with the batch as groups. (layer class, input spatial size,
+# keyword arguments, input channels)
+GROUPED = {
+    "grouped_2d_strided_same": (L.Conv2D, (12, 12), dict(kernel_size=8, strides=2,
+                                                         padding="same"), 1),
+    "grouped_2d_uneven_strides": (L.Conv2D, (9, 10), dict(kernel_size=(3, 4), strides=(2, 1)), 4),
+    "grouped_1d_causal_strided": (L.Conv1D, (13,), dict(kernel_size=5, strides=2,
+                                                        padding="causal"), 8),
+    "grouped_2d_valid_stride_3": (L.Conv2D, (14, 15), dict(kernel_size=6, strides=3), 1),
+}
+
+
+def _grouped_case(name: str, dtype: str):
+    cls, size, kwargs, channels = GROUPED[name]
+    channels_first = kwargs.get("data_format") == "channels_first"
+    shape = (channels, *size) if channels_first else (*size, channels)
+    inputs = keras.Input(shape, dtype=dtype)
+    layer = cls(3, activation="tanh", dtype=dtype, **kwargs)
+    model = keras.Model(inputs, L.Dense(3, dtype=dtype)(L.Flatten(dtype=dtype)(layer(inputs))))
+    rng = np.random.default_rng(len(name))
+    model.set_weights([rng.normal(size=w.shape) * 0.3 for w in model.get_weights()])
+    return model, layer, rng.normal(size=(B, *shape)), rng.integers(0, 3, size=B)
+
+
+def _onednn_expected() -> bool:
+    """TensorFlow's oneDNN kernels are on by default on x86-64 Linux, and only they run a
+    grouped filter gradient."""
+    import os
+    import platform
+
+    return (keras.backend.backend() == "tensorflow" and platform.machine() in ("x86_64", "AMD64")
+            and os.environ.get("TF_ENABLE_ONEDNN_OPTS", "1") != "0")
+
+
+def test_grouped_route_cost_model_and_availability():
+    from pergrad.rules.conv import grouped_filter_gradients_available
+    from pergrad.rules.cost import grouped_filter_gradients_win
+
+    assert grouped_filter_gradients_win((8, 8), (1, 1), 1)  # the benchmark CNN's first layer
+    assert grouped_filter_gradients_win((3, 3), (1, 1), 4)  # 36: the measured boundary
+    assert not grouped_filter_gradients_win((3, 3), (1, 1), 3)  # 27: the patches won
+    assert not grouped_filter_gradients_win((8, 8), (2, 2), 1)  # dilated: no CPU kernel
+    assert not grouped_filter_gradients_win((3, 3, 3), (1, 1, 1), 4)  # 3-D
+    if keras.backend.backend() == "tensorflow":
+        assert not grouped_filter_gradients_available("float64")  # Eigen's kernel refuses
+        assert grouped_filter_gradients_available("float32") == _onednn_expected()
+
+
+@pytest.mark.parametrize("name", sorted(GROUPED))
+def test_grouped_route_matches_float64_loop_oracle(name, float64, monkeypatch):
+    """The grouped route, in float32 (the dtypes its kernel runs), against the float64 loop
+    oracle of a float64 twin with the same weights: gradients, norms, dots and clipped sums to
+    float32 precision. It is taken on TensorFlow with oneDNN only; elsewhere the same check
+    covers the patch route. (``float64`` sets the twin's backend up for float64; the model
+    under test is float32 by its layers' dtype.)"""
+    from pergrad.rules import conv
+
+    calls = []
+    grouped = conv._grouped_products
+    monkeypatch.setattr(conv, "_grouped_products", lambda *a: calls.append(1) or grouped(*a))
+    model, layer, x, y = _grouped_case(name, "float32")
+    twin, _, _, _ = _grouped_case(name, "float64")
+    twin.set_weights(model.get_weights())
+    expected, _ = loop_gradients(twin, keras_loss(zoo.SCCE), x, y)
+    flat = np.concatenate([e.reshape(B, -1) for e in expected], axis=1)
+    norms = np.linalg.norm(flat, axis=1)
+    x32 = x.astype("float32")
+
+    pex = pergrad.PerExample(model, zoo.SCCE)
+    for g, e, v in zip(pex.gradients(x32, y), expected, model.trainable_variables, strict=True):
+        assert_close(g, e, rtol=2e-5, what=v.path)
+    assert_close(pex.norms(x32, y), norms, rtol=2e-5, what="norms")
+    rng = np.random.default_rng(7)
+    vectors = [rng.normal(size=v.shape).astype("float32") for v in model.trainable_variables]
+    assert_close(pex.dot(x32, y, vectors), flat @ np.concatenate([v.ravel() for v in vectors]),
+                 rtol=2e-5, what="dot")
+    clip = float(np.median(norms))
+    summed, _ = pex.clipped_sum(x32, y, clip)
+    factors = np.minimum(1.0, clip / norms)
+    for s, e in zip(summed, expected, strict=True):
+        assert_close(s, np.tensordot(factors, e, axes=1), rtol=2e-5, what="clipped_sum")
+    assert bool(calls) == _onednn_expected()
+
+
+def test_grouped_route_not_under_xla(monkeypatch):
+    """Under ``jit_compile=True`` XLA would compile the grouped filter gradient into a slow
+    loop: the patch route is taken, with the same results."""
+    from pergrad.rules import conv
+
+    calls = []
+    grouped = conv._grouped_products
+    monkeypatch.setattr(conv, "_grouped_products", lambda *a: calls.append(1) or grouped(*a))
+    model, _, x, y = _grouped_case("grouped_2d_strided_same", "float32")
+    x32 = x.astype("float32")
+    compiled = pergrad.PerExample(model, zoo.SCCE, jit_compile=True).norms(x32, y)
+    assert not calls
+    assert_close(compiled, pergrad.PerExample(model, zoo.SCCE).norms(x32, y), rtol=1e-5,
+                 what="norms under XLA")
+
+
+def test_grouped_route_with_a_dynamic_batch(monkeypatch):
+    """Traced once for any batch size (``None`` batch dimension): the grouped filter gradient's
+    filter size is computed from the batch at run time."""
+    if keras.backend.backend() != "tensorflow":
+        pytest.skip("a TensorFlow input signature")
+    import tensorflow as tf
+
+    from pergrad.rules import conv
+
+    calls = []
+    grouped = conv._grouped_products
+    monkeypatch.setattr(conv, "_grouped_products", lambda *a: calls.append(1) or grouped(*a))
+    model, _, x, y = _grouped_case("grouped_2d_uneven_strides", "float32")
+    pex = pergrad.PerExample(model, zoo.SCCE)
+    norms = tf.function(lambda x, y: pex.compute(x, y).norms(), input_signature=[
+        tf.TensorSpec([None, *x.shape[1:]], "float32"), tf.TensorSpec([None], "int64")])
+    got = {size: norms(x[:size].astype("float32"), y[:size]) for size in (B, 2)}
+    assert norms.experimental_get_tracing_count() == 1
+    assert bool(calls) == _onednn_expected()  # traced by the dynamic function alone
+    for size, value in got.items():
+        assert_close(value, pex.norms(x[:size].astype("float32"), y[:size]), rtol=1e-5,
+                     what=f"norms, batch {size}")

@@ -8,11 +8,16 @@ output,
     dL_i/dW[K, c, G*o] = sum_t P_i[t, G, K, c] D_i[t, G, o]        dL_i/db = sum_t D_i[t]
 
 a ``Factored`` form with ``A = P`` (patches gathered with strided slices, one per kernel offset,
-so there is no ``Conv2DBackpropFilter`` to vectorize).
+so there is no ``Conv2DBackpropFilter`` to vectorize). The per-example products ``P_i^T D_i``
+take the fastest exact route the geometry allows (:func:`_kernel_form`): one batched product
+per kernel offset over shifted input slices (stride 1, many channels), the same over the input
+folded by the strides, or on TensorFlow one grouped filter gradient with the batch as groups
+(:func:`_grouped_products`); otherwise one product over the patches.
 """
 
 from __future__ import annotations
 
+import functools
 import itertools
 import math
 
@@ -34,6 +39,7 @@ from pergrad.rules import LayerCall, plain_weights, register
 from pergrad.rules.cost import (
     examples_per_chunk,
     folded_products_win,
+    grouped_filter_gradients_win,
     prefers_ghost,
     shifted_ghost_wins,
     shifted_products_win,
@@ -190,6 +196,11 @@ def _kernel_form(layer, x, d) -> Factored:
             _read_positions(layer, x), static_or_none(t), c_in, c_out, k):
         def ghost_norms():  # norms alone (and, on JAX with its filter gradient, before sums)
             return _shifted_ghost_norms(layer, x, d)
+    if (is_tensorflow() and groups == 1 and not shifted
+            and grouped_filter_gradients_win(layer.kernel_size, layer.dilation_rate, c_in)
+            and grouped_filter_gradients_available(x.dtype)):
+        def per_example():  # one native grouped filter gradient instead of patches
+            return _grouped_products(layer, x, d)
     if shifted and summed is None:  # the GEMM over shifted slices, not over patches
         def summed(coefficients):
             return _shifted_sum(layer, x, d * ops.cast(coefficients, d.dtype)[
@@ -398,6 +409,68 @@ def _shifted_sum(layer, x, d):
     sums = [matmul_ta(ops.reshape(part, [-1, c_in]), flat_d)
             for _, part in _shifted_offsets(layer, x)]  # each (C, O)
     return ops.stack(sums, axis=0)
+
+
+def fold_batch_into_channels(t):
+    """``(B, H, W, F) -> (1, H, W, B F)`` (TensorFlow): example ``i``'s channel ``f`` becomes
+    channel ``i F + f`` of one image, for native kernels that keep channel groups apart."""
+    import tensorflow as tf
+
+    shape = tf.shape(t)
+    return tf.reshape(tf.transpose(t, [1, 2, 0, 3]), [1, shape[1], shape[2], -1])
+
+
+@functools.cache
+def _grouped_filter_gradients_run(dtype: str) -> bool:
+    import tensorflow as tf
+
+    with tf.init_scope():  # eagerly, even while a graph is being traced
+        try:
+            tf.compat.v1.nn.conv2d_backprop_filter(
+                tf.zeros([1, 3, 3, 4], dtype), [2, 2, 2, 6], tf.zeros([1, 2, 2, 6], dtype),
+                [1, 1, 1, 1], "VALID")
+        except (tf.errors.InvalidArgumentError, tf.errors.UnimplementedError):
+            return False
+    return True
+
+
+def grouped_filter_gradients_available(dtype) -> bool:
+    """Whether TensorFlow runs a grouped ``Conv2DBackpropFilter`` (input channels a multiple of
+    the filter's) for ``dtype`` in the graph being built: its oneDNN kernel does (float32 and
+    bfloat16 on x86), its Eigen kernel (float64, float16, or ``TF_ENABLE_ONEDNN_OPTS=0``) refuses,
+    and XLA (``jit_compile=True``) compiles it into a loop that takes seconds. Asked once per
+    dtype by running the op on a tiny input."""
+    from pergrad._compat import tracing_for_xla
+
+    return not tracing_for_xla() and _grouped_filter_gradients_run(
+        keras.backend.standardize_dtype(dtype))
+
+
+def _grouped_products(layer, x, d):
+    """``(B, 1, O, K C)``: every example's kernel gradient from one native grouped filter
+    gradient (TensorFlow), the batch folded into the channels.
+
+    Example ``i``'s channel ``c`` becomes channel ``i C + c`` of one image of ``B C`` channels
+    and its output ``o`` channel ``i O + o``; a convolution of that image with ``B`` groups
+    (``C`` inputs, ``O`` outputs each) is the batch's convolutions side by side, and its filter
+    gradient ``(*k, C, B O)`` holds ``dL_i/dW[K, c, o]`` at ``[K, c, i O + o]``. It does the
+    per-example products' ``B T K C O`` multiply-adds without writing the ``K``-times larger
+    patches (:func:`pergrad.rules.cost.grouped_filter_gradients_win`). 1-D convolutions run as
+    images of height 1."""
+    import tensorflow as tf
+
+    source, padding = native_padding(x, layer.kernel_size, layer.strides, layer.dilation_rate,
+                                     layer.padding)
+    kernel_size, strides = tuple(layer.kernel_size), tuple(layer.strides)
+    if len(kernel_size) == 1:
+        source, d = source[:, None], d[:, None]
+        kernel_size, strides = (1, *kernel_size), (1, *strides)
+    batch, c_in, c_out = tf.shape(x)[0], x.shape[-1], d.shape[-1]
+    g = tf.compat.v1.nn.conv2d_backprop_filter(
+        fold_batch_into_channels(source), tf.stack([*kernel_size, c_in, batch * c_out]),
+        fold_batch_into_channels(d), [1, *strides, 1], padding.upper())
+    g = tf.reshape(g, [-1, batch, c_out])  # (K C, B, O), K in kernel order
+    return tf.transpose(g, [1, 2, 0])[:, None]
 
 
 def _filter_gradient(layer, x, d):

@@ -114,6 +114,31 @@ def folded_products_win(kernel_size, strides, dilation, channels: int) -> bool:
     return math.prod(strides) * channels >= SHIFTED_MIN_CHANNELS
 
 
+#: On TensorFlow a convolution that would take the patch route (stride-1 layers under
+#: :data:`SHIFTED_MIN_CHANNELS` channels, strided ones the folded route does not take) computes
+#: its per-example kernel gradients with one grouped filter gradient instead (the batch folded
+#: into the channels, one group per example: oneDNN's kernel), when its patches are at least
+#: this wide (``K C``). Measured (TensorFlow 2.21, float32, ms, products + norms + weighted sum,
+#: patches against grouped, batch 256 at 28x28 unless said): ``K C`` 9-32 lost (28x28x1 -> 32,
+#: k 3: 6.3 against 12.8; k 5 (25): 10.8 against 16.1; 32x32x3 -> 32, k 3, batch 128 (27):
+#: 7.0 against 10.6; 28x28x2, k 4, s 2 (32): 3.3 against 4.0); ``K C`` >= 36 won: 28x28x4, k 3
+#: (36) 11.8 against 8.9; 28x28x1, k 6 (36) 11.5 against 9.1; the benchmark CNN's first layer
+#: 28x28x1 -> 16, k 8, s 2 (64) 6.4 against 5.6; 32x32x3, k 5 (75) 21.0 against 15.4;
+#: 28x28x8 -> 32, k 3 (72) 29.6 against 23.2; 28x28x2, k 8, s 2 (128) 18.1 against 7.7.
+#: The routes it does not replace were faster than it (the shifted products at 64 channels and
+#: more, 1x1 kernels; the folded products).
+GROUPED_MIN_PATCH_WIDTH = 36
+
+
+def grouped_filter_gradients_win(kernel_size, dilation, channels: int) -> bool:
+    """Whether a convolution that would build patches (groups of one, TensorFlow) takes one
+    grouped filter gradient with the batch as groups instead: 1-D or 2-D, no dilation (the CPU
+    kernel has none), patches at least :data:`GROUPED_MIN_PATCH_WIDTH` wide."""
+    if len(kernel_size) > 2 or any(r != 1 for r in dilation):
+        return False
+    return math.prod(kernel_size) * channels >= GROUPED_MIN_PATCH_WIDTH
+
+
 def shifted_products_win(kernel_size, strides, channels: int) -> bool:
     """Whether per-example kernel gradients come from shifted input slices rather than
     patches (:data:`SHIFTED_MIN_CHANNELS`)."""
@@ -215,4 +240,5 @@ __all__ = ["CHUNK_BYTES", "GEMM_ADVANTAGE", "ROWS_PAIRWISE_MAX_POSITIONS",
            "SUM_FROM_MATRICES_MAX_ELEMENTS", "examples_per_chunk", "folded_products_win",
            "ghost_cost", "materialized_cost", "prefers_ghost", "rows_pairwise_wins",
            "shifted_ghost_cost", "shifted_ghost_wins", "shifted_products_win", "sums_from_matrices",
-           "XLA_FILTER_GRADIENT_MIN_MULTIPLY_ADDS", "xla_filter_gradient_wins"]
+           "XLA_FILTER_GRADIENT_MIN_MULTIPLY_ADDS", "xla_filter_gradient_wins",
+           "GROUPED_MIN_PATCH_WIDTH", "grouped_filter_gradients_win"]

@@ -28,6 +28,7 @@ from pergrad.rules import LayerCall, plain_weights, register
 from pergrad.rules.conv import (
     channels_last_input_and_grad,
     extract_patches,
+    fold_batch_into_channels,
     native_padding,
 )
 from pergrad.rules.forms import Factored, Materialized, positions
@@ -91,13 +92,9 @@ def _per_example_filter_gradients(layer, kernel, x, d):
         kernel_size, strides = (1, *kernel_size), (strides[0], *strides)
     batch, c, m = tf.shape(x)[0], kernel.shape[-2], kernel.shape[-1]
 
-    def fold(t):  # (B, H, W, F) -> (1, H, W, B F)
-        shape = tf.shape(t)
-        return tf.reshape(tf.transpose(t, [1, 2, 0, 3]), [1, shape[1], shape[2], -1])
-
     g = tf.compat.v1.nn.depthwise_conv2d_native_backprop_filter(
-        fold(padded), tf.stack([*kernel_size, batch * c, m]), fold(d), [1, *strides, 1],
-        padding.upper())
+        fold_batch_into_channels(padded), tf.stack([*kernel_size, batch * c, m]),
+        fold_batch_into_channels(d), [1, *strides, 1], padding.upper())
     g = tf.reshape(g, [-1, batch, c, m])  # (K, B, C, M)
     return tf.transpose(g, [1, 2, 3, 0])
 

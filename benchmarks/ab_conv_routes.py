@@ -1,0 +1,122 @@
+"""A convolution's per-example products by the route the rule takes and by one grouped filter
+gradient, layer by layer, in one process (TensorFlow).
+
+For each layer geometry, three compiled functions of the same input ``x``, output gradient
+``d`` and coefficients ``c`` are timed alternately:
+
+* ``rule``: the convolution rule's kernel form as ``clipped_sum`` uses it, its norms with the
+  per-example matrices built (``squared_norms(then_summed=True)``) and its weighted sum;
+* ``grouped``: the same from one grouped filter gradient with the batch as groups
+  (``pergrad.rules.conv._grouped_products``), forced on;
+* ``batch filter gradient``: TensorFlow's ``Conv2DBackpropFilter`` of the whole batch, for scale.
+
+With ``--route-off`` the rule's route is the one it took before the grouped route existed
+(``pergrad.rules.cost.grouped_filter_gradients_win`` refusing), which is what the table in
+docs/benchmarks.md compares. Nothing here asserts on timings.
+
+    python benchmarks/ab_conv_routes.py --route-off            # the table in docs/benchmarks.md
+    python benchmarks/ab_conv_routes.py --layers cnn1,cnn2
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+
+import keras
+import numpy as np
+
+from pergrad.backend.lazy import tensorflow as tf
+from pergrad.bench.timing import alternating_medians
+from pergrad.rules import conv
+
+#: name: (batch, input spatial size, input channels, filters, kernel, strides, padding)
+LAYERS = {
+    "k3_c1": (256, (28, 28), 1, 32, 3, 1, "same"),
+    "k5_c1": (256, (28, 28), 1, 32, 5, 1, "same"),
+    "stem_k3_c3": (128, (32, 32), 3, 32, 3, 1, "same"),
+    "stem_k3_c3_s2": (128, (32, 32), 3, 32, 3, 2, "same"),
+    "k4_c2_s2": (256, (28, 28), 2, 16, 4, 2, "same"),
+    "k3_c4": (256, (28, 28), 4, 16, 3, 1, "same"),
+    "k6_c1": (256, (28, 28), 1, 16, 6, 1, "same"),
+    "k3_c4_s2": (256, (28, 28), 4, 16, 3, 2, "same"),
+    "cnn1": (256, (28, 28), 1, 16, 8, 2, "same"),
+    "k3_c8": (256, (28, 28), 8, 32, 3, 1, "same"),
+    "stem_k5_c3": (128, (32, 32), 3, 32, 5, 1, "same"),
+    "k8_c2_s2": (256, (28, 28), 2, 16, 8, 2, "same"),
+    "cnn2": (256, (13, 13), 16, 32, 4, 2, "valid"),
+    "k3_c16": (128, (32, 32), 16, 32, 3, 1, "same"),
+    "k5_c16": (256, (28, 28), 16, 16, 5, 1, "same"),
+    "k3_c16_14": (128, (14, 14), 16, 32, 3, 1, "same"),
+    "k3_c64": (128, (16, 16), 64, 64, 3, 1, "same"),
+    "k1_c96": (128, (16, 16), 96, 96, 1, 1, "same"),
+}
+
+
+@contextlib.contextmanager
+def _grouped_refused(refused: bool):
+    original = conv.grouped_filter_gradients_win
+    if refused:
+        conv.grouped_filter_gradients_win = lambda *a, **k: False
+    try:
+        yield
+    finally:
+        conv.grouped_filter_gradients_win = original
+
+
+def _calls(name: str, route_off: bool) -> dict:
+    size, spatial, channels, filters, kernel, strides, padding = LAYERS[name]
+    layer = keras.layers.Conv2D(filters, kernel, strides=strides, padding=padding)
+    layer.build((None, *spatial, channels))
+    rng = np.random.default_rng(0)
+    x = tf.constant(rng.normal(size=(size, *spatial, channels)).astype("float32"))
+    d = tf.constant(rng.normal(size=tuple(layer.compute_output_shape(x.shape))).astype("float32"))
+    c = tf.constant(rng.uniform(size=(size,)).astype("float32"))
+
+    @tf.function
+    def rule(x, d, c):
+        with _grouped_refused(route_off):
+            form = conv._kernel_form(layer, x, d)
+            return form.squared_norms(then_summed=True), form.weighted_sum(c)
+
+    @tf.function
+    def grouped(x, d, c):
+        g = conv._grouped_products(layer, x, d)  # (B, 1, O, K C)
+        return tf.reduce_sum(tf.square(g), [1, 2, 3]), tf.einsum("bgoi,b->igo", g, c)
+
+    @tf.function
+    def batch_filter_gradient(x, d):
+        return conv._filter_gradient(layer, x, d)
+
+    expected = rule(x, d, c)[0].numpy()
+    error = np.max(np.abs(grouped(x, d, c)[0].numpy() - expected) / expected)
+    if error > 1e-4:
+        raise AssertionError(f"{name}: the grouped norms differ by {error:.1e} (relative)")
+    return {"rule": lambda: rule(x, d, c)[0].numpy(),
+            "grouped": lambda: grouped(x, d, c)[0].numpy(),
+            "batch filter gradient": lambda: batch_filter_gradient(x, d).numpy()}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--layers", default=",".join(LAYERS),
+                        help=f"comma-separated, from {sorted(LAYERS)}")
+    parser.add_argument("--route-off", action="store_true",
+                        help="the rule's route as before the grouped route existed")
+    parser.add_argument("--rounds", type=int, default=12)
+    args = parser.parse_args()
+    if keras.backend.backend() != "tensorflow":
+        raise SystemExit("A TensorFlow route: run with KERAS_BACKEND=tensorflow.")
+    print("| layer | batch | patch width | rule (ms) | grouped (ms) | batch filter gradient (ms) |")
+    print("|---|---:|---:|---:|---:|---:|")
+    for name in args.layers.split(","):
+        size, spatial, channels, _, kernel, strides, _ = LAYERS[name]
+        medians = alternating_medians(_calls(name, args.route_off), args.rounds)
+        print(f"| {name} ({'x'.join(map(str, spatial))}x{channels}, k {kernel}, s {strides}) "
+              f"| {size} | {kernel * kernel * channels} | {1e3 * medians['rule']:.1f} "
+              f"| {1e3 * medians['grouped']:.1f} | {1e3 * medians['batch filter gradient']:.1f} |",
+              flush=True)
+
+
+if __name__ == "__main__":
+    main()
