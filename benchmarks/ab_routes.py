@@ -16,13 +16,14 @@ a route switched off (``--switch``):
   takes the GEMMs over shifted slices rather than XLA's filter gradient, and a clipped sum's
   norms the per-example products rather than the shifted ghost route
   (``pergrad.rules.cost.xla_filter_gradient_wins``);
-* ``grouped``: on TensorFlow, a convolution with wide enough patches that takes neither the
-  shifted nor the folded route builds its patches rather than taking one grouped filter
-  gradient with the batch as groups (``pergrad.rules.cost.grouped_filter_gradients_win``).
+* ``grouped``: on TensorFlow, a convolution that takes one grouped filter gradient with the
+  batch as groups for its per-example products (wide enough patches, or the shifted route's
+  geometry with few channels) takes the patches or the shifted products instead
+  (``pergrad.rules.cost.grouped_filter_gradients_win``).
 
-``folded``, ``one_pass_norms``, ``pairwise_rows`` and ``grouped`` are TensorFlow routes; ``shifted_ghost``
-runs on JAX too (``KERAS_BACKEND=jax``, against JAX's jitted batch gradient), and
-``xla_filter_sum`` is a JAX route.
+``folded``, ``one_pass_norms``, ``pairwise_rows`` and ``grouped`` are TensorFlow routes;
+``shifted_ghost`` runs on JAX too (``KERAS_BACKEND=jax``, against JAX's jitted batch gradient),
+and ``xla_filter_sum`` is a JAX route.
 
 Their norms and clipped sums and the batch gradient are timed alternately, so that both routes
 see the same machine state; medians are printed as ratios to the batch gradient. With

@@ -326,8 +326,9 @@ def test_map_in_chunks_keeps_rows_in_order():
 
 
 # Convolutions that take neither the shifted nor the folded route and whose patches are at least
-# GROUPED_MIN_PATCH_WIDTH wide: on TensorFlow, in float32, their per-example products come from
-# one grouped filter gradient with the batch as groups. (layer class, input spatial size,
+# GROUPED_MIN_PATCH_WIDTH wide, or would take the shifted route with few channels: on
+# TensorFlow, in float32, their per-example products come from one grouped filter gradient with
+# the batch as groups. (layer class, input spatial size,
 # keyword arguments, input channels)
 GROUPED = {
     "grouped_2d_strided_same": (L.Conv2D, (12, 12), dict(kernel_size=8, strides=2,
@@ -336,6 +337,8 @@ GROUPED = {
     "grouped_1d_causal_strided": (L.Conv1D, (13,), dict(kernel_size=5, strides=2,
                                                         padding="causal"), 8),
     "grouped_2d_valid_stride_3": (L.Conv2D, (14, 15), dict(kernel_size=6, strides=3), 1),
+    # stride 1, 16 channels: the shifted products' geometry, which the grouped route replaces
+    "grouped_1d_over_shifted": (L.Conv1D, (9,), dict(kernel_size=3, padding="same"), WIDE),
 }
 
 
@@ -370,6 +373,9 @@ def test_grouped_route_cost_model_and_availability():
     assert not grouped_filter_gradients_win((3, 3), (1, 1), 3)  # 27: the patches won
     assert not grouped_filter_gradients_win((8, 8), (2, 2), 1)  # dilated: no CPU kernel
     assert not grouped_filter_gradients_win((3, 3, 3), (1, 1, 1), 4)  # 3-D
+    assert grouped_filter_gradients_win((3, 3), (1, 1), 16, over_shifted=True)
+    assert not grouped_filter_gradients_win((3, 3), (1, 1), 64, over_shifted=True)
+    assert not grouped_filter_gradients_win((1, 1), (1, 1), 16, over_shifted=True)  # 1x1
     if keras.backend.backend() == "tensorflow":
         assert not grouped_filter_gradients_available("float64")  # Eigen's kernel refuses
         assert grouped_filter_gradients_available("float32") == _onednn_expected()

@@ -196,10 +196,11 @@ def _kernel_form(layer, x, d) -> Factored:
             _read_positions(layer, x), static_or_none(t), c_in, c_out, k):
         def ghost_norms():  # norms alone (and, on JAX with its filter gradient, before sums)
             return _shifted_ghost_norms(layer, x, d)
-    if (is_tensorflow() and groups == 1 and not shifted
-            and grouped_filter_gradients_win(layer.kernel_size, layer.dilation_rate, c_in)
+    if (is_tensorflow() and groups == 1 and not prefers_ghost(static_or_none(t), k * c_in, c_out)
+            and grouped_filter_gradients_win(layer.kernel_size, layer.dilation_rate, c_in,
+                                             over_shifted=shifted)
             and grouped_filter_gradients_available(x.dtype)):
-        def per_example():  # one native grouped filter gradient instead of patches
+        def per_example():  # one grouped filter gradient, not patches or shifted products
             return _grouped_products(layer, x, d)
     if shifted and summed is None:  # the GEMM over shifted slices, not over patches
         def summed(coefficients):

@@ -125,17 +125,29 @@ def folded_products_win(kernel_size, strides, dilation, channels: int) -> bool:
 #: (36) 11.8 against 8.9; 28x28x1, k 6 (36) 11.5 against 9.1; the benchmark CNN's first layer
 #: 28x28x1 -> 16, k 8, s 2 (64) 6.4 against 5.6; 32x32x3, k 5 (75) 21.0 against 15.4;
 #: 28x28x8 -> 32, k 3 (72) 29.6 against 23.2; 28x28x2, k 8, s 2 (128) 18.1 against 7.7.
-#: The routes it does not replace were faster than it (the shifted products at 64 channels and
-#: more, 1x1 kernels; the folded products).
+#: The folded products were faster than it (13x13x16 -> 32, k 4, s 2: 2.1 against 4.3).
 GROUPED_MIN_PATCH_WIDTH = 36
 
+#: It also replaces the shifted products (stride 1) below this many input channels, kernels
+#: larger than 1x1: 32x32x16 -> 32, k 3, batch 128: 20.6 against 14.6; 28x28x16 -> 16, k 5:
+#: 57.9 against 29.9; 14x14x16 -> 32, k 3, batch 128: 2.9 against 2.7. From 32 channels on
+#: they tied or the shifted products won (32x32x32 -> 32: 36.5 against 34.9; 16x16x32 -> 64:
+#: 20.6 against 23.7; 16x16x64 -> 64: 24.8 against 26.7; 8x8x128 -> 128: 32 against 169), and
+#: 1x1 kernels always kept them (16x16x96 -> 96: 6.9 against 18.9).
+GROUPED_MAX_CHANNELS_OVER_SHIFTED = 31
 
-def grouped_filter_gradients_win(kernel_size, dilation, channels: int) -> bool:
-    """Whether a convolution that would build patches (groups of one, TensorFlow) takes one
-    grouped filter gradient with the batch as groups instead: 1-D or 2-D, no dilation (the CPU
-    kernel has none), patches at least :data:`GROUPED_MIN_PATCH_WIDTH` wide."""
+
+def grouped_filter_gradients_win(kernel_size, dilation, channels: int,
+                                 over_shifted: bool = False) -> bool:
+    """Whether a convolution (groups of one, TensorFlow) takes one grouped filter gradient with
+    the batch as groups for its per-example products: 1-D or 2-D, no dilation (the CPU kernel
+    has none), and either patches at least :data:`GROUPED_MIN_PATCH_WIDTH` wide where it would
+    build them, or (``over_shifted``: where it would take the shifted products) a kernel larger
+    than 1x1 over at most :data:`GROUPED_MAX_CHANNELS_OVER_SHIFTED` input channels."""
     if len(kernel_size) > 2 or any(r != 1 for r in dilation):
         return False
+    if over_shifted:
+        return math.prod(kernel_size) > 1 and channels <= GROUPED_MAX_CHANNELS_OVER_SHIFTED
     return math.prod(kernel_size) * channels >= GROUPED_MIN_PATCH_WIDTH
 
 
@@ -241,4 +253,5 @@ __all__ = ["CHUNK_BYTES", "GEMM_ADVANTAGE", "ROWS_PAIRWISE_MAX_POSITIONS",
            "ghost_cost", "materialized_cost", "prefers_ghost", "rows_pairwise_wins",
            "shifted_ghost_cost", "shifted_ghost_wins", "shifted_products_win", "sums_from_matrices",
            "XLA_FILTER_GRADIENT_MIN_MULTIPLY_ADDS", "xla_filter_gradient_wins",
-           "GROUPED_MIN_PATCH_WIDTH", "grouped_filter_gradients_win"]
+           "GROUPED_MIN_PATCH_WIDTH", "GROUPED_MAX_CHANNELS_OVER_SHIFTED",
+           "grouped_filter_gradients_win"]
