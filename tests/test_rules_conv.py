@@ -376,6 +376,8 @@ def test_grouped_route_cost_model_and_availability():
     assert grouped_filter_gradients_win((3, 3), (1, 1), 16, over_shifted=True)
     assert not grouped_filter_gradients_win((3, 3), (1, 1), 64, over_shifted=True)
     assert not grouped_filter_gradients_win((1, 1), (1, 1), 16, over_shifted=True)  # 1x1
+    assert not grouped_filter_gradients_win((1, 1), (1, 1), 64)  # a strided 1x1 shortcut
+    assert not grouped_filter_gradients_win((3, 3), (1, 1), 32)  # the ResNet's strided layers
     if keras.backend.backend() == "tensorflow":
         assert not grouped_filter_gradients_available("float64")  # Eigen's kernel refuses
         assert grouped_filter_gradients_available("float32") == _onednn_expected()

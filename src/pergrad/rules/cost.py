@@ -128,27 +128,29 @@ def folded_products_win(kernel_size, strides, dilation, channels: int) -> bool:
 #: The folded products were faster than it (13x13x16 -> 32, k 4, s 2: 2.1 against 4.3).
 GROUPED_MIN_PATCH_WIDTH = 36
 
-#: It also replaces the shifted products (stride 1) below this many input channels, kernels
-#: larger than 1x1: 32x32x16 -> 32, k 3, batch 128: 20.6 against 14.6; 28x28x16 -> 16, k 5:
-#: 57.9 against 29.9; 14x14x16 -> 32, k 3, batch 128: 2.9 against 2.7. From 32 channels on
-#: they tied or the shifted products won (32x32x32 -> 32: 36.5 against 34.9; 16x16x32 -> 64:
-#: 20.6 against 23.7; 16x16x64 -> 64: 24.8 against 26.7; 8x8x128 -> 128: 32 against 169), and
-#: 1x1 kernels always kept them (16x16x96 -> 96: 6.9 against 18.9).
-GROUPED_MAX_CHANNELS_OVER_SHIFTED = 31
+#: It also replaces the shifted products (stride 1): 32x32x16 -> 32, k 3, batch 128: 20.6
+#: against 14.6; 28x28x16 -> 16, k 5: 57.9 against 29.9; 14x14x16 -> 32, k 3, batch 128: 2.9
+#: against 2.7. But from 32 input channels on, and with 1x1 kernels, the other routes tied or
+#: won, so it is never taken there: shifted, 32x32x32 -> 32: 36.5 against 34.9; 16x16x32 -> 64:
+#: 20.6 against 23.7; 16x16x64 -> 64: 24.8 against 26.7; 8x8x128 -> 128: 32 against 169;
+#: 16x16x96 -> 96, k 1: 6.9 against 18.9; patches (the ResNet's strided layers, batch 128):
+#: 32x32x32 -> 64, k 3, s 2: 17.6 against 19.4; 16x16x64 -> 128, k 3, s 2: 14.4 against 37.8;
+#: 16x16x64 -> 128, k 1, s 2: 2.5 against 4.3.
+GROUPED_MAX_CHANNELS = 31
 
 
 def grouped_filter_gradients_win(kernel_size, dilation, channels: int,
                                  over_shifted: bool = False) -> bool:
     """Whether a convolution (groups of one, TensorFlow) takes one grouped filter gradient with
     the batch as groups for its per-example products: 1-D or 2-D, no dilation (the CPU kernel
-    has none), and either patches at least :data:`GROUPED_MIN_PATCH_WIDTH` wide where it would
-    build them, or (``over_shifted``: where it would take the shifted products) a kernel larger
-    than 1x1 over at most :data:`GROUPED_MAX_CHANNELS_OVER_SHIFTED` input channels."""
+    has none), a kernel larger than 1x1 over at most :data:`GROUPED_MAX_CHANNELS` input
+    channels, and (unless ``over_shifted``: where it would take the shifted products) patches
+    at least :data:`GROUPED_MIN_PATCH_WIDTH` wide."""
     if len(kernel_size) > 2 or any(r != 1 for r in dilation):
         return False
-    if over_shifted:
-        return math.prod(kernel_size) > 1 and channels <= GROUPED_MAX_CHANNELS_OVER_SHIFTED
-    return math.prod(kernel_size) * channels >= GROUPED_MIN_PATCH_WIDTH
+    if math.prod(kernel_size) == 1 or channels > GROUPED_MAX_CHANNELS:
+        return False
+    return over_shifted or math.prod(kernel_size) * channels >= GROUPED_MIN_PATCH_WIDTH
 
 
 def shifted_products_win(kernel_size, strides, channels: int) -> bool:
@@ -253,5 +255,5 @@ __all__ = ["CHUNK_BYTES", "GEMM_ADVANTAGE", "ROWS_PAIRWISE_MAX_POSITIONS",
            "ghost_cost", "materialized_cost", "prefers_ghost", "rows_pairwise_wins",
            "shifted_ghost_cost", "shifted_ghost_wins", "shifted_products_win", "sums_from_matrices",
            "XLA_FILTER_GRADIENT_MIN_MULTIPLY_ADDS", "xla_filter_gradient_wins",
-           "GROUPED_MIN_PATCH_WIDTH", "GROUPED_MAX_CHANNELS_OVER_SHIFTED",
+           "GROUPED_MIN_PATCH_WIDTH", "GROUPED_MAX_CHANNELS",
            "grouped_filter_gradients_win"]
