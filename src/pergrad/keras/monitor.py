@@ -418,19 +418,28 @@ class GradientMonitor(keras.callbacks.Callback):
             _wait_for_host_updates()
             self._host.position = 0
 
+    def _last_monitored_step(self) -> int:
+        """The step :meth:`_last` would return, read alone (one number, not the tables)."""
+        if is_tensorflow():
+            return int(self._last_step.numpy())
+        _wait_for_host_updates()
+        return self._host.last_step
+
     def on_train_batch_end(self, batch: int, logs: dict | None = None) -> None:
-        step, values, norms, cosines, active = self._last()
+        step = self._last_monitored_step()
         if step < 0 or step == self._logged_step:
             return
+        step, values, norms, cosines, active = self._last()
         self._logged_step = step
         per_example = {"norms": norms[active], "cosine_to_batch": cosines[active]}
         row: dict[str, float] = {"step": step, "epoch": self._epoch, "loss": float(values[-1])}
         row.update({k: float(v) for k, v in zip(LOGGED_STATISTICS, values, strict=False)})
         for name, key in (("norm", "norms"), ("cosine", "cosine_to_batch")):
             data = per_example[key]
-            for q in QUANTILES:
-                row[f"{name}_p{round(100 * q)}"] = (float(np.quantile(data, q)) if data.size
-                                                    else float("nan"))
+            quantiles = (np.quantile(data, QUANTILES) if data.size
+                         else np.full(len(QUANTILES), np.nan))
+            for q, value in zip(QUANTILES, quantiles, strict=True):
+                row[f"{name}_p{round(100 * q)}"] = float(value)
         self.history.append(row)
         if self._csv_writer is not None:
             self._csv_writer.writerow([row[c] for c in csv_columns()])
