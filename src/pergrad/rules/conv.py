@@ -24,7 +24,7 @@ import math
 import keras
 from keras import ops
 
-from pergrad.backend import is_jax, is_tensorflow, is_torch
+from pergrad.backend import is_jax, is_tensorflow
 from pergrad.backend.ops import (
     add_n,
     batch_size,
@@ -43,7 +43,6 @@ from pergrad.rules.cost import (
     prefers_ghost,
     shifted_ghost_wins,
     shifted_products_win,
-    torch_grouped_filter_gradients_win,
     xla_filter_gradient_wins,
 )
 from pergrad.rules.forms import Factored, Materialized, positions
@@ -203,11 +202,6 @@ def _kernel_form(layer, x, d) -> Factored:
             and grouped_filter_gradients_available(x.dtype)):
         def per_example():  # one grouped filter gradient, not patches or shifted products
             return _grouped_products(layer, x, d)
-    if (is_torch() and groups == 1 and not prefers_ghost(static_or_none(t), k * c_in, c_out)
-            and torch_grouped_filter_gradients_win(layer.kernel_size, layer.dilation_rate, c_in,
-                                                   over_shifted=shifted)):
-        def per_example():  # the same on PyTorch
-            return _torch_grouped_products(layer, x, d)
     if shifted and summed is None:  # the GEMM over shifted slices, not over patches
         def summed(coefficients):
             return _shifted_sum(layer, x, d * ops.cast(coefficients, d.dtype)[
@@ -478,27 +472,6 @@ def _grouped_products(layer, x, d):
         fold_batch_into_channels(d), [1, *strides, 1], padding.upper())
     g = tf.reshape(g, [-1, batch, c_out])  # (K C, B, O), K in kernel order
     return tf.transpose(g, [1, 2, 0])[:, None]
-
-
-def _torch_grouped_products(layer, x, d):
-    """``(B, 1, O, K C)`` on PyTorch: :func:`_grouped_products` with
-    ``torch.nn.grad.conv2d_weight(..., groups=B)`` (channels first: example ``i``'s channel
-    ``c`` is channel ``i C + c``, its filters ``i O`` to ``i O + O - 1``), the gradient
-    ``(B O, C, *k)`` reordered to the patches' ``(K, c)``."""
-    import torch
-
-    source, _ = native_padding(x, layer.kernel_size, layer.strides, layer.dilation_rate,
-                               layer.padding)  # padded here: "valid"
-    kernel_size, strides = tuple(layer.kernel_size), tuple(layer.strides)
-    if len(kernel_size) == 1:
-        source, d = source[:, None], d[:, None]
-        kernel_size, strides = (1, *kernel_size), (1, *strides)
-    batch, c_in, c_out = source.shape[0], source.shape[-1], d.shape[-1]
-    folded_x = source.permute(0, 3, 1, 2).reshape(1, batch * c_in, *source.shape[1:3])
-    folded_d = d.permute(0, 3, 1, 2).reshape(1, batch * c_out, *d.shape[1:3])
-    g = torch.nn.grad.conv2d_weight(folded_x, (batch * c_out, c_in, *kernel_size), folded_d,
-                                    stride=strides, groups=batch)
-    return g.reshape(batch, c_out, c_in, -1).permute(0, 1, 3, 2).reshape(batch, 1, c_out, -1)
 
 
 def _filter_gradient(layer, x, d):

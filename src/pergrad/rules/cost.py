@@ -153,28 +153,6 @@ def grouped_filter_gradients_win(kernel_size, dilation, channels: int,
     return over_shifted or math.prod(kernel_size) * channels >= GROUPED_MIN_PATCH_WIDTH
 
 
-#: On PyTorch the grouped filter gradient (``torch.nn.grad.conv2d_weight`` with ``groups=B``)
-#: replaces the shifted products for every kernel larger than 1x1, and the patches from this
-#: width (``K C``) on. Measured (torch 2.13, CPU, float32, ms, the rule's route against grouped,
-#: products + norms + weighted sum, batch 256 at 28x28 or 128): shifted 28x28x16 -> 16, k 5:
-#: 412 against 17; 32x32x32 -> 32, k 3: 210 against 24; 16x16x64 -> 64: 137 against 36;
-#: 10x10x128 -> 128: 187 against 123; 1x1 16x16x96 -> 96: 15.6 against 20.9 (kept); patches
-#: 28x28x4 -> 16, k 3 (36 wide): 11.0 against 13.7 (kept); 28x28x1 -> 16, k 8, s 2 (64): 2.9
-#: against 2.1; 28x28x8 -> 32, k 3 (72): 36.8 against 11.5; 33x33x32 -> 64, k 3, s 2: 54
-#: against 15.
-TORCH_GROUPED_MIN_PATCH_WIDTH = 64
-
-
-def torch_grouped_filter_gradients_win(kernel_size, dilation, channels: int,
-                                       over_shifted: bool = False) -> bool:
-    """Whether a convolution (groups of one) takes one grouped filter gradient with the batch
-    as groups on PyTorch: 1-D or 2-D, no dilation, a kernel larger than 1x1, and (unless
-    ``over_shifted``) patches at least :data:`TORCH_GROUPED_MIN_PATCH_WIDTH` wide."""
-    if len(kernel_size) > 2 or any(r != 1 for r in dilation) or math.prod(kernel_size) == 1:
-        return False
-    return over_shifted or math.prod(kernel_size) * channels >= TORCH_GROUPED_MIN_PATCH_WIDTH
-
-
 def shifted_products_win(kernel_size, strides, channels: int) -> bool:
     """Whether per-example kernel gradients come from shifted input slices rather than
     patches (:data:`SHIFTED_MIN_CHANNELS`)."""
@@ -278,5 +256,4 @@ __all__ = ["CHUNK_BYTES", "GEMM_ADVANTAGE", "ROWS_PAIRWISE_MAX_POSITIONS",
            "shifted_ghost_cost", "shifted_ghost_wins", "shifted_products_win", "sums_from_matrices",
            "XLA_FILTER_GRADIENT_MIN_MULTIPLY_ADDS", "xla_filter_gradient_wins",
            "GROUPED_MIN_PATCH_WIDTH", "GROUPED_MAX_CHANNELS",
-           "grouped_filter_gradients_win", "TORCH_GROUPED_MIN_PATCH_WIDTH",
-           "torch_grouped_filter_gradients_win"]
+           "grouped_filter_gradients_win"]
