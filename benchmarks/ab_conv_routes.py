@@ -1,5 +1,5 @@
 """A convolution's per-example products by the route the rule takes and by one grouped filter
-gradient, layer by layer, in one process (TensorFlow).
+gradient, layer by layer, in one process (TensorFlow, or PyTorch with ``KERAS_BACKEND=torch``).
 
 For each layer geometry, three compiled functions of the same input ``x``, output gradient
 ``d`` and coefficients ``c`` are timed alternately:
@@ -8,14 +8,18 @@ For each layer geometry, three compiled functions of the same input ``x``, outpu
   per-example matrices built (``squared_norms(then_summed=True)``) and its weighted sum;
 * ``grouped``: the same from one grouped filter gradient with the batch as groups
   (``pergrad.rules.conv._grouped_products``), forced on;
-* ``batch filter gradient``: TensorFlow's ``Conv2DBackpropFilter`` of the whole batch, for scale.
+* ``batch filter gradient``: the backend's filter gradient of the whole batch, for scale.
 
 With ``--route-off`` the rule's route is the one it took before the grouped route existed
-(``pergrad.rules.cost.grouped_filter_gradients_win`` refusing), which is what the table in
-docs/benchmarks.md compares. Nothing here asserts on timings.
+(``pergrad.rules.cost.grouped_filter_gradients_win``, or on PyTorch
+``torch_grouped_filter_gradients_win``, refusing), which is what the tables in
+docs/benchmarks.md compare. On PyTorch the functions run eagerly (the rule's patches are built
+only if its route reads them, ``pergrad.rules.forms.Deferred``) and ``grouped`` is
+``pergrad.rules.conv._torch_grouped_products``. Nothing here asserts on timings.
 
     python benchmarks/ab_conv_routes.py --route-off            # the table in docs/benchmarks.md
     python benchmarks/ab_conv_routes.py --layers cnn1,cnn2
+    KERAS_BACKEND=torch python benchmarks/ab_conv_routes.py --route-off --layers cnn1,k3_c64
 """
 
 from __future__ import annotations
@@ -48,7 +52,9 @@ LAYERS = {
     "k3_c16": (128, (32, 32), 16, 32, 3, 1, "same"),
     "k5_c16": (256, (28, 28), 16, 16, 5, 1, "same"),
     "k3_c16_14": (128, (14, 14), 16, 32, 3, 1, "same"),
+    "k3_c32": (128, (32, 32), 32, 32, 3, 1, "same"),
     "k3_c64": (128, (16, 16), 64, 64, 3, 1, "same"),
+    "k3_c128": (128, (8, 8), 128, 128, 3, 1, "same"),
     "resnet_s2_c32": (128, (32, 32), 32, 64, 3, 2, "same"),
     "resnet_s2_c64": (128, (16, 16), 64, 128, 3, 2, "same"),
     "resnet_1x1_s2_c32": (128, (32, 32), 32, 64, 1, 2, "same"),
@@ -59,16 +65,55 @@ LAYERS = {
 
 @contextlib.contextmanager
 def _grouped_refused(refused: bool):
-    original = conv.grouped_filter_gradients_win
+    names = ("grouped_filter_gradients_win", "torch_grouped_filter_gradients_win")
+    originals = [getattr(conv, name) for name in names]
     if refused:
-        conv.grouped_filter_gradients_win = lambda *a, **k: False
+        for name in names:
+            setattr(conv, name, lambda *a, **k: False)
     try:
         yield
     finally:
-        conv.grouped_filter_gradients_win = original
+        for name, original in zip(names, originals, strict=True):
+            setattr(conv, name, original)
+
+
+def _torch_calls(name: str, route_off: bool) -> dict:
+    """The three calls on PyTorch, eagerly, gradients off as in the engine's rules."""
+    import torch
+
+    size, spatial, channels, filters, kernel, strides, padding = LAYERS[name]
+    layer = keras.layers.Conv2D(filters, kernel, strides=strides, padding=padding)
+    layer.build((None, *spatial, channels))
+    rng = np.random.default_rng(0)
+    x = torch.tensor(rng.normal(size=(size, *spatial, channels)), dtype=torch.float32)
+    d = torch.tensor(rng.normal(size=tuple(layer.compute_output_shape(x.shape))),
+                     dtype=torch.float32)
+    c = torch.tensor(rng.uniform(size=(size,)), dtype=torch.float32)
+
+    @torch.no_grad()
+    def rule():
+        with _grouped_refused(route_off):
+            form = conv._kernel_form(layer, x, d)
+            return form.squared_norms(then_summed=True), form.weighted_sum(c)
+
+    @torch.no_grad()
+    def grouped():
+        g = conv._torch_grouped_products(layer, x, d)  # (B, 1, O, K C)
+        return torch.sum(torch.square(g), [1, 2, 3]), torch.einsum("bgoi,b->igo", g, c)
+
+    def batch_filter_gradient():
+        return conv._filter_gradient(layer, x, d)
+
+    expected = rule()[0].numpy()
+    error = np.max(np.abs(grouped()[0].numpy() - expected) / expected)
+    if error > 1e-4:
+        raise AssertionError(f"{name}: the grouped norms differ by {error:.1e} (relative)")
+    return {"rule": rule, "grouped": grouped, "batch filter gradient": batch_filter_gradient}
 
 
 def _calls(name: str, route_off: bool) -> dict:
+    if keras.backend.backend() == "torch":
+        return _torch_calls(name, route_off)
     size, spatial, channels, filters, kernel, strides, padding = LAYERS[name]
     layer = keras.layers.Conv2D(filters, kernel, strides=strides, padding=padding)
     layer.build((None, *spatial, channels))
@@ -109,8 +154,9 @@ def main() -> None:
                         help="the rule's route as before the grouped route existed")
     parser.add_argument("--rounds", type=int, default=12)
     args = parser.parse_args()
-    if keras.backend.backend() != "tensorflow":
-        raise SystemExit("A TensorFlow route: run with KERAS_BACKEND=tensorflow.")
+    if keras.backend.backend() not in ("tensorflow", "torch"):
+        raise SystemExit("TensorFlow and PyTorch routes: run with KERAS_BACKEND=tensorflow "
+                         "or torch.")
     print("| layer | batch | patch width | rule (ms) | grouped (ms) | batch filter gradient (ms) |")
     print("|---|---:|---:|---:|---:|---:|")
     for name in args.layers.split(","):

@@ -16,6 +16,14 @@ a route switched off (``--switch``):
   takes the GEMMs over shifted slices rather than XLA's filter gradient, and a clipped sum's
   norms the per-example products rather than the shifted ghost route
   (``pergrad.rules.cost.xla_filter_gradient_wins``);
+* ``lazy_patches``: on PyTorch, a convolution's patches are built as its rule starts, read or
+  not, as before they were deferred (``pergrad.rules.forms.Deferred``);
+* ``torch_grouped``: on PyTorch, the grouped filter gradient's route
+  (``pergrad.rules.cost.torch_grouped_filter_gradients_win``) refused;
+* ``torch_slices``: on PyTorch, wide 1-D and 2-D patches gathered by a one-hot convolution
+  rather than strided slices (``pergrad.rules.conv.patches_by_slices``);
+* ``torch_depthwise``: on PyTorch, depthwise kernels' per-example products by the einsum over
+  their patches rather than one grouped filter gradient (the depthwise rule as on JAX);
 * ``grouped``: on TensorFlow, a convolution that takes one grouped filter gradient with the
   batch as groups for its per-example products (wide enough patches, or the shifted route's
   geometry with few channels) takes the patches or the shifted products instead
@@ -23,7 +31,10 @@ a route switched off (``--switch``):
 
 ``folded``, ``one_pass_norms``, ``pairwise_rows`` and ``grouped`` are TensorFlow routes;
 ``shifted_ghost`` runs on JAX too (``KERAS_BACKEND=jax``, against JAX's jitted batch gradient),
-and ``xla_filter_sum`` is a JAX route.
+and ``xla_filter_sum`` is a JAX route; ``lazy_patches``, ``torch_grouped``, ``torch_slices`` and ``torch_depthwise`` are PyTorch ones
+(``KERAS_BACKEND=torch``, against ``torch.autograd.grad`` of the summed loss through one eager
+call). Several switches separated by commas are switched off together. On PyTorch nothing is
+traced, so the switches are held around every call of the route they switch off.
 
 Their norms and clipped sums and the batch gradient are timed alternately, so that both routes
 see the same machine state; medians are printed as ratios to the batch gradient. With
@@ -39,6 +50,8 @@ asserts on timings.
     python benchmarks/ab_routes.py --switch grouped --model cnn --dp-step --monitor
     KERAS_BACKEND=jax python benchmarks/ab_routes.py --switch shifted_ghost --model text_cnn
     KERAS_BACKEND=jax python benchmarks/ab_routes.py --switch xla_filter_sum --model text_cnn --dp-step
+    KERAS_BACKEND=torch python benchmarks/ab_routes.py \
+        --switch lazy_patches,torch_grouped,torch_slices,torch_depthwise --dp-step
 """
 
 from __future__ import annotations
@@ -54,7 +67,7 @@ from pergrad.backend.lazy import tensorflow as tf
 from pergrad.bench.engine import LOSS
 from pergrad.bench.models import MODELS, batch, twin
 from pergrad.bench.timing import alternating_medians, print_ratios
-from pergrad.rules import conv, cost
+from pergrad.rules import conv, cost, depthwise
 
 
 @contextlib.contextmanager
@@ -80,15 +93,65 @@ SWITCHES = {
                       lambda: _replaced(conv, "shifted_ghost_wins", lambda *a, **k: False)),
     "grouped": ("grouped", "patches",
                 lambda: _replaced(conv, "grouped_filter_gradients_win", lambda *a, **k: False)),
+    "lazy_patches": ("deferred patches", "patches first",
+                     lambda: _replaced(conv, "Deferred", lambda build, shape, dtype: build())),
+    "torch_grouped": ("grouped", "patches",
+                      lambda: _replaced(conv, "torch_grouped_filter_gradients_win",
+                                        lambda *a, **k: False)),
+    "torch_slices": ("slices", "one-hot",
+                     lambda: _replaced(conv, "patches_by_slices", lambda width: False)),
+    "torch_depthwise": ("native depthwise", "depthwise einsum",
+                        lambda: _replaced(depthwise, "is_torch", lambda: False)),
     "xla_filter_sum": ("filter+ghost", "products",
                        lambda: _replaced(conv, "xla_filter_gradient_wins",
                                          lambda *a, **k: False)),
 }
 
 
+def _switched_off(names: str):
+    """A context that switches off every route of the comma-separated ``names``."""
+    contexts = [SWITCHES[name][2] for name in names.split(",")]
+
+    @contextlib.contextmanager
+    def off():
+        with contextlib.ExitStack() as stack:
+            for context in contexts:
+                stack.enter_context(context())
+            yield
+
+    return off
+
+
+def _eager() -> bool:
+    return keras.backend.backend() == "torch"
+
+
+def _held(call, off):
+    """``call``, run inside ``off()`` every time on PyTorch (nothing is traced there)."""
+    if off is None or not _eager():
+        return call
+
+    def held():
+        with off():
+            return call()
+
+    return held
+
+
 def _batch_gradient(model, x, y):
-    """The batch gradient as a call of no arguments: TensorFlow's ``tf.function`` or JAX's
-    jitted ``grad`` of the summed loss."""
+    """The batch gradient as a call of no arguments: TensorFlow's ``tf.function``, JAX's
+    jitted ``grad`` of the summed loss or ``torch.autograd.grad`` of it through one eager
+    call."""
+    if _eager():
+        import torch
+
+        weights = [v.value for v in model.trainable_variables]
+
+        def torch_gradient():
+            loss = torch.sum(LOSS.call(y, model(x)))
+            return torch.autograd.grad(loss, weights)
+
+        return torch_gradient
     if keras.backend.backend() == "jax":
         from pergrad.bench.jax_engine import _baselines
 
@@ -121,7 +184,9 @@ def _dp_steps(model, x, y, switched_off) -> dict:
         with off() if off else contextlib.nullcontext():
             private.train_on_batch(x, y)  # traced with this route
         steps[f"{label} dp_mean step"] = private
-    return {label: (lambda m=m: m.train_on_batch(x, y)) for label, m in steps.items()}
+    offs = {f"{label} dp_mean step": off for label, off in switched_off}
+    return {label: _held(lambda m=m: m.train_on_batch(x, y), offs.get(label))
+            for label, m in steps.items()}
 
 
 def _monitored_steps(name: str, size: int, switched_off) -> dict:
@@ -140,7 +205,9 @@ def _monitored_steps(name: str, size: int, switched_off) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--switch", default="folded", choices=sorted(SWITCHES))
+    parser.add_argument("--switch", default="folded",
+                        help="one of " + ", ".join(sorted(SWITCHES)) + ", or several of them "
+                             "separated by commas")
     parser.add_argument("--model", default="cnn", choices=sorted(MODELS))
     parser.add_argument("--batch", type=int, default=256)
     parser.add_argument("--rounds", type=int, default=40)
@@ -158,11 +225,19 @@ def main() -> None:
     model = MODELS[args.model]()
     x, y = (keras.ops.convert_to_tensor(t) for t in batch(args.model, args.batch))
     calls = {"batch gradient": _batch_gradient(model, x, y)}
-    with_route, without_route, switch_off = SWITCHES[args.switch]
+    names = args.switch.split(",")
+    unknown = [name for name in names if name not in SWITCHES]
+    if unknown:
+        parser.error(f"unknown --switch {unknown}; choose from {sorted(SWITCHES)}")
+    with_route = "+".join(SWITCHES[name][0] for name in names)
+    without_route = "+".join(SWITCHES[name][1] for name in names)
+    switch_off = _switched_off(args.switch)
+    if args.monitor and _eager():
+        parser.error("--monitor times TensorFlow steps")
     for label, off in ((without_route, switch_off), (with_route, None)):
         pex = _traced(model, x, y, off)
-        calls[f"{label} norms"] = lambda p=pex: p.norms(x, y)
-        calls[f"{label} clipped_sum"] = lambda p=pex: p.clipped_sum(x, y, 1.0)
+        calls[f"{label} norms"] = _held(lambda p=pex: p.norms(x, y), off)
+        calls[f"{label} clipped_sum"] = _held(lambda p=pex: p.clipped_sum(x, y, 1.0), off)
     routes = ((without_route, switch_off), (with_route, None))
     steps = _dp_steps(model, x, y, routes) if args.dp_step else {}
     monitored = _monitored_steps(args.model, args.batch, routes) if args.monitor else {}

@@ -85,8 +85,38 @@ def test_the_draw_reaches_the_far_tail(monkeypatch):
     monkeypatch.setattr(tf.random, "stateless_uniform",
                         lambda shape, seed, minval=0, maxval=None, dtype=tf.float32:
                         tf.zeros(shape, dtype))
-    (drawn,) = _draw([np.zeros((4, 3), "float64")], 1.0)
+    # PyTorch's draws are compiled once per set of shapes: trace this one with the patch, and
+    # forget it afterwards.
+    noise._tensorflow_draws.cache_clear()
+    try:
+        (drawn,) = _draw([np.zeros((4, 3), "float64")], 1.0)
+    finally:
+        noise._tensorflow_draws.cache_clear()
     flat = drawn.ravel()
     np.testing.assert_allclose(flat[:6], BOX_MULLER_CUT, rtol=1e-12)
     np.testing.assert_allclose(flat[6:], 0.0, atol=1e-12)
     assert BOX_MULLER_CUT > 8.6
+
+
+def test_pytorch_draws_tensorflows_numbers():
+    """PyTorch's draw (one compiled TensorFlow function per set of shapes) gives, for the same
+    key, the numbers of TensorFlow's eager draw: ``stddev`` times :func:`_tensorflow_normal` of
+    each value's shape from ``stateless_split(key)``, in each value's dtype. (Half precision:
+    TensorFlow multiplies by ``stddev`` in float16, PyTorch in float32 before casting, so the
+    two may differ there by the last bit.)"""
+    if backend.is_jax():
+        pytest.skip("JAX draws its own numbers (the inverse CDF), not TensorFlow's")
+    import tensorflow as tf
+
+    values = [np.zeros((3, 5), "float32"), np.zeros((7,), "float64"), np.zeros((), "float32"),
+              np.zeros((2, 2), "float16")]
+    for counter in (0, 1):
+        drawn = _draw(values, 1.7, counter)
+        keys = tf.random.experimental.stateless_split(
+            tf.constant([12345, counter], tf.int64), num=len(values))
+        for k, (d, v) in enumerate(zip(drawn, values, strict=True)):
+            half_in_float32 = v.dtype == np.float16 and backend.is_torch()
+            wide = "float32" if half_in_float32 else str(v.dtype)
+            expected = (1.7 * noise._tensorflow_normal(list(v.shape), keys[k], wide)).numpy()
+            assert d.dtype == v.dtype and d.shape == v.shape
+            np.testing.assert_array_equal(d, expected.astype(v.dtype))

@@ -254,8 +254,13 @@ def test_folded_route_matches_loop_oracle(name, float64):
     model, layer, rule, x, y = _case(name)
     cls, _, kwargs, channels = FOLDED[name]
     assert folded_products_win(layer.kernel_size, layer.strides, layer.dilation_rate, channels)
+    from pergrad.rules.cost import torch_grouped_filter_gradients_win
+
     taken = _kernel_form(model, layer, x, y).per_example is not None
-    assert taken == (keras.backend.backend() == "tensorflow")
+    # PyTorch takes its grouped filter gradient instead where it wins there
+    torch_grouped = keras.backend.backend() == "torch" and torch_grouped_filter_gradients_win(
+        layer.kernel_size, layer.dilation_rate, channels)
+    assert taken == (keras.backend.backend() == "tensorflow" or torch_grouped)
     assert_rule_matches_oracle(model, layer, rule, x, y)
 
 
@@ -268,11 +273,15 @@ def test_folded_route_needs_whole_strides_and_enough_channels():
 
 
 def test_strided_and_narrow_convolutions_keep_the_patch_route(float64):
+    """In float64 (no grouped route on TensorFlow): a strided 3x3 convolution over 16 channels
+    builds patches, except on PyTorch, whose grouped filter gradient takes it; a narrow one
+    (3 channels, 27 wide) builds them everywhere."""
     model, layer, _, x, y = _case("2d_same")
     strided = keras.Model(model.inputs, L.Dense(3)(L.Flatten()(
         L.Conv2D(3, 3, strides=2)(model.inputs[0]))))
     narrow = zoo.conv2d()  # 3 input channels, 3x3 kernel
-    assert _kernel_form(strided, strided.layers[1], x, y).per_example is None
+    assert ((_kernel_form(strided, strided.layers[1], x, y).per_example is None)
+            == (keras.backend.backend() != "torch"))
     assert _kernel_form(narrow.model, narrow.model.layers[1], narrow.x,
                         narrow.y).per_example is None
 
@@ -383,18 +392,40 @@ def test_grouped_route_cost_model_and_availability():
         assert grouped_filter_gradients_available("float32") == _onednn_expected()
 
 
+def _grouped_route_expected(layer, channels: int) -> bool:
+    """Where the grouped route must be taken: TensorFlow with oneDNN (every case here), PyTorch
+    by its own cost rule, never on JAX."""
+    from pergrad.rules.cost import torch_grouped_filter_gradients_win
+
+    if keras.backend.backend() == "tensorflow":
+        return _onednn_expected()
+    if keras.backend.backend() == "torch":
+        shifted = shifted_products_win(layer.kernel_size, layer.strides, channels)
+        return torch_grouped_filter_gradients_win(layer.kernel_size, layer.dilation_rate,
+                                                  channels, over_shifted=shifted)
+    return False
+
+
+def _spy_grouped(monkeypatch) -> list:
+    """Record each call of either backend's grouped route."""
+    from pergrad.rules import conv
+
+    calls = []
+    for name in ("_grouped_products", "_torch_grouped_products"):
+        route = getattr(conv, name)
+        monkeypatch.setattr(conv, name, lambda *a, route=route: calls.append(1) or route(*a))
+    return calls
+
+
 @pytest.mark.parametrize("name", sorted(GROUPED))
 def test_grouped_route_matches_float64_loop_oracle(name, float64, monkeypatch):
     """The grouped route, in float32 (the dtypes its kernel runs), against the float64 loop
     oracle of a float64 twin with the same weights: gradients, norms, dots and clipped sums to
-    float32 precision. It is taken on TensorFlow with oneDNN only; elsewhere the same check
-    covers the patch route. (``float64`` sets the twin's backend up for float64; the model
+    float32 precision. It is taken on TensorFlow with oneDNN; on JAX the same check
+    covers the patch route; on PyTorch its own route is taken where its cost rule says.
+    (``float64`` sets the twin's backend up for float64; the model
     under test is float32 by its layers' dtype.)"""
-    from pergrad.rules import conv
-
-    calls = []
-    grouped = conv._grouped_products
-    monkeypatch.setattr(conv, "_grouped_products", lambda *a: calls.append(1) or grouped(*a))
+    calls = _spy_grouped(monkeypatch)
     model, layer, x, y = _grouped_case(name, "float32")
     twin, _, _, _ = _grouped_case(name, "float64")
     twin.set_weights(model.get_weights())
@@ -416,7 +447,7 @@ def test_grouped_route_matches_float64_loop_oracle(name, float64, monkeypatch):
     factors = np.minimum(1.0, clip / norms)
     for s, e in zip(summed, expected, strict=True):
         assert_close(s, np.tensordot(factors, e, axes=1), rtol=2e-5, what="clipped_sum")
-    assert bool(calls) == _onednn_expected()
+    assert bool(calls) == _grouped_route_expected(layer, GROUPED[name][3])
 
 
 def test_grouped_route_not_under_xla(monkeypatch):
@@ -457,3 +488,60 @@ def test_grouped_route_with_a_dynamic_batch(monkeypatch):
     for size, value in got.items():
         assert_close(value, pex.norms(x[:size].astype("float32"), y[:size]), rtol=1e-5,
                      what=f"norms, batch {size}")
+
+
+@pytest.mark.parametrize("name", ["1d_valid", "2d_same"])
+def test_grouped_route_over_the_shifted_products_in_float64(name, float64, monkeypatch):
+    """In float64 a 2-D shifted products' geometry takes the grouped route on PyTorch (its
+    kernel runs every dtype) and keeps the shifted products on TensorFlow (oneDNN refuses
+    float64) and JAX; a 1-D one keeps them everywhere (the grouped route lost on PyTorch's
+    text CNN); every quantity matches the oracle either way."""
+    from pergrad.rules.cost import torch_grouped_filter_gradients_win
+
+    calls = _spy_grouped(monkeypatch)
+    model, layer, rule, x, y = _case(name)
+    assert_rule_matches_oracle(model, layer, rule, x, y)
+    two_d = len(layer.kernel_size) == 2
+    assert bool(calls) == (keras.backend.backend() == "torch" and two_d)
+    assert torch_grouped_filter_gradients_win(layer.kernel_size, layer.dilation_rate, WIDE,
+                                              over_shifted=True) == two_d
+    assert not torch_grouped_filter_gradients_win((1, 1), (1, 1), WIDE, over_shifted=True)
+    assert not torch_grouped_filter_gradients_win((3, 3), (1, 1), 4)  # 36 wide: patches won
+    assert not torch_grouped_filter_gradients_win((3, 3), (1, 1), 64, over_shifted=True)
+
+
+@pytest.mark.parametrize("name", ["1d_valid", "2d_same", "3d_same"])
+def test_patches_are_built_only_where_a_route_reads_them(name, float64, monkeypatch):
+    """PyTorch runs every op as written, so a convolution's patches are deferred
+    (``pergrad.rules.forms.Deferred``): the shifted products (1-D, 3-D) and the grouped filter
+    gradient (2-D) never build them for norms, clipped sums, gradients or Gram matrices, and
+    a narrow convolution's route over the patches builds them once. TensorFlow and JAX build them in the graph, which drops
+    what no output reads, and must not defer (a tensor made inside a conditional branch is not
+    usable outside it)."""
+    from pergrad.rules import conv
+    from pergrad.rules.forms import Deferred
+
+    built = []
+    extract = conv.extract_patches
+    monkeypatch.setattr(conv, "extract_patches", lambda *a: built.append(1) or extract(*a))
+    model, layer, _, x, y = _case(name)
+    form = _kernel_form(model, layer, x, y)
+    torch = keras.backend.backend() == "torch"
+    assert isinstance(form.a_source, Deferred) == torch
+    assert form.a_shape == tuple(form.a.shape)
+    if not torch:
+        return
+    built.clear()
+    form = _kernel_form(model, layer, x, y)
+    form.squared_norms(then_summed=True)
+    form.weighted_sum(np.ones(B) / B)
+    form.materialize()
+    form.gram()
+    assert form.per_example is not None and not built
+    narrow = zoo.conv2d()  # 3 input channels, 3x3 kernel: 27 wide, the patch route
+    form = _kernel_form(narrow.model, narrow.model.layers[1], narrow.x, narrow.y)
+    assert form.per_example is None and not built
+    form.squared_norms(then_summed=True)
+    form.weighted_sum(np.ones(len(narrow.x)) / len(narrow.x))
+    form.materialize()
+    assert built == [1]

@@ -45,14 +45,14 @@ GEOMETRIES = [
 
 
 def _case(family: str, dims: int, strides, padding: str, dilation, depth_multiplier: int = 2,
-          data_format: str = "channels_last", use_bias: bool = True):
+          data_format: str = "channels_last", use_bias: bool = True, float32: bool = False):
     cls, size, kernel = LAYERS[family, dims]
     shape = (*size, CHANNELS) if data_format == "channels_last" else (CHANNELS, *size)
     inputs = keras.Input(shape)
     kwargs = dict(strides=strides, padding=padding, dilation_rate=dilation,
                   depth_multiplier=depth_multiplier, data_format=data_format, use_bias=use_bias,
                   activation="relu")
-    if family == "separable" and keras.backend.backend() == "torch":
+    if family == "separable" and keras.backend.backend() == "torch" and not float32:
         # Documented gap (docs/backends.md, PyTorch): Keras's torch backend computes float64 in
         # float32 and a float64 SeparableConv raises a dtype error there (float32 matches the
         # loop oracle to 4e-7, checked by hand).
@@ -63,9 +63,26 @@ def _case(family: str, dims: int, strides, padding: str, dilation, depth_multipl
     rng = np.random.default_rng(dims + 10 * depth_multiplier)
     if use_bias:  # a nonzero bias, so its gradient is not hidden behind relu's dead zone
         layer.bias.assign(rng.normal(size=layer.bias.shape) * 0.1)
-    x = rng.normal(size=(B, *shape))
+    x = rng.normal(size=(B, *shape)).astype("float32" if float32 else "float64")
     y = rng.integers(0, 3, size=B)
     return model, layer, RULES[family], x, y
+
+
+@pytest.mark.parametrize(("family", "dims"), CASES)
+@pytest.mark.parametrize(("strides", "padding", "dilation"), GEOMETRIES)
+def test_float32_on_every_backend(family, dims, strides, padding, dilation, monkeypatch):
+    """In float32 (which Keras's torch backend runs separable convolutions in, see
+    ``_case``), against the loop oracle of the same float32 model: on PyTorch the per-example
+    depthwise products come from one grouped filter gradient over the batch folded into the
+    channels (``_torch_per_example_filter_gradients``), and only there."""
+    from pergrad.rules import depthwise
+
+    calls = []
+    route = depthwise._torch_per_example_filter_gradients
+    monkeypatch.setattr(depthwise, "_torch_per_example_filter_gradients",
+                        lambda *a: calls.append(1) or route(*a))
+    assert_rule_matches_oracle(*_case(family, dims, strides, padding, dilation, float32=True))
+    assert bool(calls) == (keras.backend.backend() == "torch")
 
 
 @pytest.mark.parametrize(("family", "dims"), CASES)

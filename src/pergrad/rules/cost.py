@@ -153,6 +153,39 @@ def grouped_filter_gradients_win(kernel_size, dilation, channels: int,
     return over_shifted or math.prod(kernel_size) * channels >= GROUPED_MIN_PATCH_WIDTH
 
 
+#: On PyTorch the grouped filter gradient (``torch.nn.grad.conv2d_weight`` with ``groups=B``)
+#: replaces the shifted products and patches at least this wide (``K C``) over at most
+#: :data:`TORCH_GROUPED_MAX_CHANNELS` input channels, for 2-D kernels larger than 1x1.
+#: Measured with the patches deferred (built only where a route reads them), torch 2.13, CPU,
+#: float32, ms, products + norms + weighted sum, the rule's route against grouped
+#: (``KERAS_BACKEND=torch python benchmarks/ab_conv_routes.py --route-off``, 3 December
+#: 2026): shifted 28x28x16 -> 16, k 5 (batch 256): 179 against 42; 32x32x16 -> 32, k 3: 27.9
+#: against 16.2; 32x32x32 -> 32: 49.0 against 48.7; 16x16x64 -> 64: 35.4 against 41.9 (kept);
+#: 8x8x128 -> 128: 71 against 265 (kept); patches 28x28x1 -> 16, k 8, s 2 (64 wide): 5.1
+#: against 4.2; 28x28x8 -> 32, k 3 (72): 52 against 31; 32x32x32 -> 64, k 3, s 2: 65 against
+#: 27; 16x16x64 -> 128, k 3, s 2: 73 against 131 (kept); 28x28x4 -> 16, k 3 (36): 11.8 against
+#: 14.7 (kept). The benchmark CNN's second layer (13x13x16, k 4, s 2) measured 9.6-10.8
+#: against 11.1-13.0 alone but 2.28x against 2.03x of the batch gradient in the whole clipped
+#: sum (its recorded input is a strided view there), so it takes the route. In 1-D it lost: the
+#: text CNN's Conv1D (128x64 -> 128, k 5, batch 256), whole clipped sum 2.69x its batch
+#: gradient against 1.98x over the shifted products (``benchmarks/ab_routes.py --switch
+#: torch_grouped``), so 1-D layers keep their routes.
+TORCH_GROUPED_MIN_PATCH_WIDTH = 64
+TORCH_GROUPED_MAX_CHANNELS = 32
+
+
+def torch_grouped_filter_gradients_win(kernel_size, dilation, channels: int,
+                                       over_shifted: bool = False) -> bool:
+    """Whether a convolution (groups of one) takes one grouped filter gradient with the batch
+    as groups on PyTorch: 2-D, no dilation, a kernel larger than 1x1, at most
+    :data:`TORCH_GROUPED_MAX_CHANNELS` input channels and (unless ``over_shifted``) patches at
+    least :data:`TORCH_GROUPED_MIN_PATCH_WIDTH` wide."""
+    if (len(kernel_size) != 2 or any(r != 1 for r in dilation) or math.prod(kernel_size) == 1
+            or channels > TORCH_GROUPED_MAX_CHANNELS):
+        return False
+    return over_shifted or math.prod(kernel_size) * channels >= TORCH_GROUPED_MIN_PATCH_WIDTH
+
+
 def shifted_products_win(kernel_size, strides, channels: int) -> bool:
     """Whether per-example kernel gradients come from shifted input slices rather than
     patches (:data:`SHIFTED_MIN_CHANNELS`)."""
@@ -256,4 +289,6 @@ __all__ = ["CHUNK_BYTES", "GEMM_ADVANTAGE", "ROWS_PAIRWISE_MAX_POSITIONS",
            "shifted_ghost_cost", "shifted_ghost_wins", "shifted_products_win", "sums_from_matrices",
            "XLA_FILTER_GRADIENT_MIN_MULTIPLY_ADDS", "xla_filter_gradient_wins",
            "GROUPED_MIN_PATCH_WIDTH", "GROUPED_MAX_CHANNELS",
-           "grouped_filter_gradients_win"]
+           "grouped_filter_gradients_win", "TORCH_GROUPED_MAX_CHANNELS",
+           "TORCH_GROUPED_MIN_PATCH_WIDTH",
+           "torch_grouped_filter_gradients_win"]

@@ -19,11 +19,13 @@ a pointwise (1x1) kernel ``W_p`` of shape ``(1.., C*M, F)``:
 
 from __future__ import annotations
 
+import math
+
 import keras
 from keras import ops
 
-from pergrad.backend import is_tensorflow
-from pergrad.backend.ops import batch_size, rank, vjp, zero_rows
+from pergrad.backend import is_tensorflow, is_torch
+from pergrad.backend.ops import batch_size, dtype_of, rank, vjp, zero_rows
 from pergrad.rules import LayerCall, plain_weights, register
 from pergrad.rules.conv import (
     channels_last_input_and_grad,
@@ -31,7 +33,7 @@ from pergrad.rules.conv import (
     fold_batch_into_channels,
     native_padding,
 )
-from pergrad.rules.forms import Factored, Materialized, positions
+from pergrad.rules.forms import Deferred, Factored, Materialized, positions
 
 
 def _patches(layer, x):
@@ -49,10 +51,22 @@ def _depthwise_form(layer, kernel, x, d) -> Factored:
 
     On TensorFlow the norms, dots and sums use native kernels (:func:`_per_example_filter_gradients`
     and the batch filter gradient) that never read the patches, so a compiled graph never
-    builds them; elsewhere the grouped einsum over the patches is the fastest route."""
-    a = _patches(layer, x)  # (B, T, C, K)
+    builds them. On PyTorch the per-example products come from one native grouped filter
+    gradient too (:func:`_torch_per_example_filter_gradients`) and the patches are built only
+    if a route reads them; on JAX the grouped einsum over the patches is the fastest route."""
     c, m = kernel.shape[-2], kernel.shape[-1]
-    dd = ops.reshape(d, [batch_size(d), a.shape[1] if a.shape[1] is not None else -1, c, m])
+    t = positions(d.shape[1:-1])
+    dd = ops.reshape(d, [batch_size(d), t, c, m])
+    if is_torch():
+        def remake_torch(keep):
+            return _depthwise_form(layer, kernel, zero_rows(x, keep), zero_rows(d, keep))
+
+        a = Deferred(lambda: _patches(layer, x), (batch_size(x), t, c, math.prod(
+            layer.kernel_size)), dtype_of(x))
+        return Factored(kernel, a, dd, (*layer.kernel_size, c, m), remake=remake_torch,
+                        per_example=lambda: _torch_per_example_filter_gradients(
+                            layer, kernel, x, d))
+    a = _patches(layer, x)  # (B, T, C, K)
     if not is_tensorflow():  # XLA's depthwise filter gradients lose to the einsum on CPU
         return Factored(kernel, a, dd, (*layer.kernel_size, c, m))
 
@@ -97,6 +111,31 @@ def _per_example_filter_gradients(layer, kernel, x, d):
         fold_batch_into_channels(d), [1, *strides, 1], padding.upper())
     g = tf.reshape(g, [-1, batch, c, m])  # (K, B, C, M)
     return tf.transpose(g, [1, 2, 3, 0])
+
+
+def _torch_per_example_filter_gradients(layer, kernel, x, d):
+    """``(B, C, M, K)`` on PyTorch: :func:`_per_example_filter_gradients` with
+    ``torch.nn.grad.conv2d_weight`` over the batch folded into the channels, ``B C`` groups
+    (channels first: example ``i``'s channel ``c`` is channel ``i C + c``, its outputs
+    ``(i C + c) M + m``), so the gradient ``(B C M, 1, *k)`` is already in example, channel,
+    multiplier, offset order. Torch 2.13, CPU, float32, norms and a weighted sum against the
+    einsum over the patches: 16x16x96, k 3, batch 32: 1.7 ms against 24 ms; 32x32x32: 2.5
+    against 36; batch 128 at 16x16x96: 29 against 97."""
+    import torch
+
+    source, _ = native_padding(x, layer.kernel_size, layer.strides, layer.dilation_rate,
+                               layer.padding)  # padded here: "valid"
+    kernel_size, strides = tuple(layer.kernel_size), tuple(layer.strides)
+    dilation = tuple(layer.dilation_rate)
+    if len(kernel_size) == 1:  # as one row of a 2D image
+        source, d = source[:, None], d[:, None]
+        kernel_size, strides, dilation = (1, *kernel_size), (1, *strides), (1, *dilation)
+    batch, c, m = source.shape[0], kernel.shape[-2], kernel.shape[-1]
+    folded_x = source.permute(0, 3, 1, 2).reshape(1, batch * c, *source.shape[1:3])
+    folded_d = d.permute(0, 3, 1, 2).reshape(1, batch * c * m, *d.shape[1:3])
+    g = torch.nn.grad.conv2d_weight(folded_x, (batch * c * m, 1, *kernel_size), folded_d,
+                                    stride=strides, dilation=dilation, groups=batch * c)
+    return g.reshape(batch, c, m, -1)
 
 
 def _filter_gradient(layer, kernel, x, d):

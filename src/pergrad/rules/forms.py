@@ -51,11 +51,26 @@ from pergrad.rules.cost import prefers_ghost, sums_from_matrices
 Tensor = Any
 
 
+@dataclass(frozen=True)
+class Deferred:
+    """A tensor a rule may never need, built on first use: ``build()`` makes it; ``shape`` (its
+    static shape) and ``dtype`` are known before. On PyTorch, which runs every op as it is
+    written, a convolution's patches are deferred so that the routes that never read them (its
+    shifted products and sums, one grouped filter gradient) do not pay for building them.
+    Graph backends need no such thing (their compilers prune what no output reads), and must
+    not use it: a tensor built inside a conditional branch cannot be reused outside it."""
+
+    build: Callable[[], Tensor]
+    shape: tuple
+    dtype: Any
+
+
 @dataclass
 class Factored:
     """``g_i = sum_t A_i[t]^T D_i[t]`` per group, reshaped to the variable.
 
-    ``a``: ``(B, T, G, I)``; ``d``: ``(B, T, G, O)``. ``natural_shape`` is the variable's shape
+    ``a``: ``(B, T, G, I)``, given as ``a_source``, a tensor or a :class:`Deferred` one
+    built the first time a route reads ``a``; ``d``: ``(B, T, G, O)``. ``natural_shape`` is the variable's shape
     with its axes ordered as ``(I-axes..., G-axes..., O-axes...)``; ``perm`` transposes that
     natural layout into the variable's layout (``None`` for the identity), after which a reshape
     to ``variable.shape`` is all that is left. ``summed``, when given, computes
@@ -83,7 +98,7 @@ class Factored:
     """
 
     variable: object
-    a: Tensor
+    a_source: Tensor | Deferred
     d: Tensor
     natural_shape: tuple[int, ...]
     perm: tuple[int, ...] | None = None
@@ -97,12 +112,29 @@ class Factored:
     _ghost_taken: bool = field(default=False, init=False, repr=False, compare=False)
 
     @property
+    def a(self) -> Tensor:
+        """``A``, ``(B, T, G, I)``; a :class:`Deferred` source is built now, once."""
+        if isinstance(self.a_source, Deferred):
+            self.a_source = self.a_source.build()
+        return self.a_source
+
+    @property
+    def a_shape(self) -> tuple:
+        """``A``'s static shape, read without building a :class:`Deferred` one."""
+        return tuple(self.a_source.shape)
+
+    @property
+    def a_dtype(self) -> Any:
+        source = self.a_source
+        return source.dtype if isinstance(source, Deferred) else dtype_of(source)
+
+    @property
     def var_shape(self) -> tuple[int, ...]:
         return tuple(self.variable.shape)
 
     @property
     def signature(self) -> tuple:
-        return ("factored", self.natural_shape, self.perm, tuple(self.a.shape[2:]),
+        return ("factored", self.natural_shape, self.perm, tuple(self.a_shape[2:]),
                 tuple(self.d.shape[2:]))
 
     def _to_variable_layout(self, m: Tensor, batched: bool) -> Tensor:
@@ -122,7 +154,7 @@ class Factored:
             for position, axis in enumerate(self.perm):
                 inverse[axis] = position
             v = ops.transpose(v, inverse)
-        g, i, o = self.a.shape[2], self.a.shape[3], self.d.shape[3]
+        g, i, o = self.a_shape[2], self.a_shape[3], self.d.shape[3]
         # natural order is (I..., G..., O...): reshape to (I, G, O)
         return ops.reshape(v, [i, g, o])
 
@@ -136,15 +168,16 @@ class Factored:
         token = trace_token()
         self._matrices_traced = True
         if token is None or self._matrices is None or self._matrices[0] is not token:
-            a, d = self.a, self.d
+            d = self.d
             if self.per_example is not None:
                 m = self.per_example()
-            elif a.shape[1] == 1:  # one position: a plain outer product
-                m = d[:, 0, :, :, None] * a[:, 0, :, None, :]
-            elif a.shape[2] == 1:
-                m = matmul_ta(d[:, :, 0, :], a[:, :, 0, :])[:, None]
+            elif self.a_shape[1] == 1:  # one position: a plain outer product
+                m = d[:, 0, :, :, None] * self.a[:, 0, :, None, :]
+            elif self.a_shape[2] == 1:
+                m = matmul_ta(d[:, :, 0, :], self.a[:, :, 0, :])[:, None]
             else:
-                m = matmul_ta(ops.transpose(d, [0, 2, 1, 3]), ops.transpose(a, [0, 2, 1, 3]))
+                m = matmul_ta(ops.transpose(d, [0, 2, 1, 3]),
+                              ops.transpose(self.a, [0, 2, 1, 3]))
             blocks = _as_blocks(m)
             if token is None:
                 return blocks
@@ -172,9 +205,9 @@ class Factored:
         graph being built now) and :func:`pergrad.rules.cost.sums_from_matrices` allows keeping
         them for the sum, else ``None``. Under ``jax.jit`` they are rebuilt by the same ops and
         XLA merges the two."""
-        if self.a.shape[1] == 1 and self.per_example is None or not self._materializing():
+        if self.a_shape[1] == 1 and self.per_example is None or not self._materializing():
             return None
-        sizes = [static_or_none(n) for n in (self.a.shape[0], self.a.shape[2], self.a.shape[3],
+        sizes = [static_or_none(n) for n in (self.a_shape[0], self.a_shape[2], self.a_shape[3],
                                              self.d.shape[3])]
         if None in sizes or not sums_from_matrices(math.prod(sizes)):
             return None
@@ -191,7 +224,7 @@ class Factored:
         return None
 
     def materialize(self) -> Tensor:
-        if self.a.shape[1] == 1 and self.per_example is None:
+        if self.a_shape[1] == 1 and self.per_example is None:
             # One position: write the outer products once, straight into the (B, I, G, O)
             # layout (they are memory-bound: B I O floats for a Dense kernel).
             a = ops.transpose(self.a[:, 0], [0, 2, 1])  # (B, I, G); G is 1 for Dense
@@ -208,7 +241,7 @@ class Factored:
             return False
         if self.per_example is not None:
             return True
-        t, i, o = (static_or_none(self.a.shape[1]), static_or_none(self.a.shape[3]),
+        t, i, o = (static_or_none(self.a_shape[1]), static_or_none(self.a_shape[3]),
                    static_or_none(self.d.shape[3]))
         return not prefers_ghost(t, i, o)
 
@@ -222,7 +255,7 @@ class Factored:
                 self._ghost_taken = True
                 return self.ghost_norms()
             return add_n([row_squared_norms(m) for m in self._per_example_blocks()])
-        t = static_or_none(self.a.shape[1])
+        t = static_or_none(self.a_shape[1])
         if t == 1 and self.per_example is None:
             # ||a d^T||^2 = ||a||^2 ||d||^2 per group.
             return ops.sum(
@@ -237,8 +270,8 @@ class Factored:
         return add_n([row_squared_norms(m) for m in self._per_example_blocks()])
 
     def dots(self, vector: Tensor) -> Tensor:
-        v = self._from_variable_layout(ops.cast(vector, dtype_of(self.a)))
-        if self.a.shape[1] != 1 and self._materializing():
+        v = self._from_variable_layout(ops.cast(vector, self.a_dtype))
+        if self.a_shape[1] != 1 and self._materializing():
             # The per-example matrices are built for the norms anyway (and shared with them
             # inside one graph): <M_i, V> costs I O per example instead of T I O. One
             # matrix-vector product reads M once; M * V then a sum wrote and read an M-sized
@@ -259,8 +292,8 @@ class Factored:
             return self._to_variable_layout(ops.transpose(s, [2, 0, 1]), batched=False)
         if self.summed is not None:
             return ops.reshape(self.summed(coefficients), self.var_shape)
-        c = ops.cast(coefficients, dtype_of(self.a))[:, None, None, None]
-        i, g, o = self.a.shape[3], self.a.shape[2], self.d.shape[3]
+        c = ops.cast(coefficients, self.a_dtype)[:, None, None, None]
+        i, g, o = self.a_shape[3], self.a_shape[2], self.d.shape[3]
         if g == 1:  # one matmul over all (example, position) rows, like the batch gradient
             m = matmul_ta(ops.reshape(self.a * c, [-1, i]), ops.reshape(self.d, [-1, o]))
             m = m[:, None, :]
@@ -279,7 +312,7 @@ class Factored:
             s = _side_by_side([ops.tensordot(c, m, axes=1) for m in blocks])  # (K, G, O, I)
             return [self._to_variable_layout(ops.transpose(s[k], [2, 0, 1]), batched=False)
                     for k in range(len(coefficients))]
-        i, g, o = self.a.shape[3], self.a.shape[2], self.d.shape[3]
+        i, g, o = self.a_shape[3], self.a_shape[2], self.d.shape[3]
         if self.summed is not None or g != 1 or len(coefficients) == 1:
             return [self.weighted_sum(ck) for ck in coefficients]
         scaled = ops.concatenate(
@@ -295,16 +328,16 @@ class Factored:
         the products with ``D``) for one group without them."""
         if len(vectors) == 1:
             return [self.dots(vectors[0])]
-        vs = [self._from_variable_layout(ops.cast(v, dtype_of(self.a))) for v in vectors]  # (I, G, O)
-        batch = batch_size(self.a)
-        if self.a.shape[1] != 1 and self._materializing():
+        vs = [self._from_variable_layout(ops.cast(v, self.a_dtype)) for v in vectors]  # (I, G, O)
+        batch = batch_size(self.d)
+        if self.a_shape[1] != 1 and self._materializing():
             blocks = self._per_example_blocks()  # (B, G, O, I_k) each
             parts = [self._split_inputs(ops.transpose(v, [1, 2, 0]), blocks) for v in vs]
             out = add_n([ops.matmul(ops.reshape(m, [batch, -1]),
                                     ops.stack([ops.reshape(p[b], [-1]) for p in parts], 1))
                          for b, m in enumerate(blocks)])  # (B, K)
             return [out[:, k] for k in range(len(vectors))]
-        i, g, o = self.a.shape[3], self.a.shape[2], self.d.shape[3]
+        i, g, o = self.a_shape[3], self.a_shape[2], self.d.shape[3]
         if g != 1:
             return [self.dots(v) for v in vectors]
         stacked = ops.concatenate([v[:, 0, :] for v in vs], axis=-1)  # (I, K O)
@@ -316,14 +349,14 @@ class Factored:
     def gram(self) -> Tensor:
         """``K[i, j] = <g_i, g_j>``, ``(B, B)``: ghost ``sum_{t,s} (a_it . a_js)(d_it . d_js)``
         or the materialized ``M M^T``, whichever :mod:`pergrad.rules.cost` finds cheaper."""
-        t, i, o = (static_or_none(self.a.shape[1]), static_or_none(self.a.shape[3]),
+        t, i, o = (static_or_none(self.a_shape[1]), static_or_none(self.a_shape[3]),
                    static_or_none(self.d.shape[3]))
         if self.per_example is None and prefers_ghost(t, i, o, batch=static_or_none(
-                self.a.shape[0]), pairs=True):
+                self.a_shape[0]), pairs=True):
             gram_a = ops.einsum("btgi,csgi->bcgts", self.a, self.a)
             gram_d = ops.einsum("btgo,csgo->bcgts", self.d, self.d)
             return ops.sum(gram_a * gram_d, axis=[2, 3, 4])
-        flats = [ops.reshape(m, [batch_size(self.a), -1]) for m in self._per_example_blocks()]
+        flats = [ops.reshape(m, [batch_size(self.d), -1]) for m in self._per_example_blocks()]
         return add_n([ops.matmul(f, ops.transpose(f)) for f in flats])
 
     def masked(self, keep: Tensor) -> Factored:
@@ -703,6 +736,6 @@ def unbroadcast(grad: Tensor, shape: tuple[int, ...]) -> Tensor:
     return ops.reshape(grad, [batch_size(grad), *shape])
 
 
-__all__ = ["Factored", "Form", "Materialized", "Rows", "Scaled", "add_n", "combine", "dots_many",
+__all__ = ["Deferred", "Factored", "Form", "Materialized", "Rows", "Scaled", "add_n", "combine", "dots_many",
            "positions", "rebuilt", "squared_norms_of", "unbroadcast", "weighted_sums",
            "zero_rows"]
