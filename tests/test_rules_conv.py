@@ -274,14 +274,13 @@ def test_folded_route_needs_whole_strides_and_enough_channels():
 
 def test_strided_and_narrow_convolutions_keep_the_patch_route(float64):
     """In float64 (no grouped route on TensorFlow): a strided 3x3 convolution over 16 channels
-    builds patches, except on PyTorch, whose grouped filter gradient takes it; a narrow one
-    (3 channels, 27 wide) builds them everywhere."""
+    (144 wide: PyTorch gathers its patches by strided slices, which beat its grouped filter
+    gradient there) and a narrow one (3 channels, 27 wide) build patches everywhere."""
     model, layer, _, x, y = _case("2d_same")
     strided = keras.Model(model.inputs, L.Dense(3)(L.Flatten()(
         L.Conv2D(3, 3, strides=2)(model.inputs[0]))))
     narrow = zoo.conv2d()  # 3 input channels, 3x3 kernel
-    assert ((_kernel_form(strided, strided.layers[1], x, y).per_example is None)
-            == (keras.backend.backend() != "torch"))
+    assert _kernel_form(strided, strided.layers[1], x, y).per_example is None
     assert _kernel_form(narrow.model, narrow.model.layers[1], narrow.x,
                         narrow.y).per_example is None
 
@@ -508,6 +507,8 @@ def test_grouped_route_over_the_shifted_products_in_float64(name, float64, monke
     assert not torch_grouped_filter_gradients_win((1, 1), (1, 1), WIDE, over_shifted=True)
     assert not torch_grouped_filter_gradients_win((3, 3), (1, 1), 4)  # 36 wide: patches won
     assert not torch_grouped_filter_gradients_win((3, 3), (1, 1), 64, over_shifted=True)
+    assert torch_grouped_filter_gradients_win((8, 8), (1, 1), 2)  # 128 wide: one-hot patches
+    assert not torch_grouped_filter_gradients_win((4, 4), (1, 1), 16)  # 256: sliced patches won
 
 
 @pytest.mark.parametrize("name", ["1d_valid", "2d_same", "3d_same"])

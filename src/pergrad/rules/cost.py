@@ -169,8 +169,13 @@ def grouped_filter_gradients_win(kernel_size, dilation, channels: int,
 #: sum (its recorded input is a strided view there), so it takes the route. In 1-D it lost: the
 #: text CNN's Conv1D (128x64 -> 128, k 5, batch 256), whole clipped sum 2.69x its batch
 #: gradient against 1.98x over the shifted products (``benchmarks/ab_routes.py --switch
-#: torch_grouped``), so 1-D layers keep their routes.
+#: torch_grouped``), so 1-D layers keep their routes. Once patches wider than 128 were
+#: gathered by strided slices (``pergrad.rules.conv.patches_by_slices``), they beat the
+#: grouped route there: the CNN's second layer 6.0 against 12.3 ms, 32x32x32 -> 64, k 3, s 2
+#: 32.4 against 36.5; the whole CNN's clipped sum 1.80x with only its first layer grouped
+#: against 1.91x with both. So patches wider than that keep their route.
 TORCH_GROUPED_MIN_PATCH_WIDTH = 64
+TORCH_GROUPED_MAX_PATCH_WIDTH = 128
 TORCH_GROUPED_MAX_CHANNELS = 32
 
 
@@ -178,12 +183,13 @@ def torch_grouped_filter_gradients_win(kernel_size, dilation, channels: int,
                                        over_shifted: bool = False) -> bool:
     """Whether a convolution (groups of one) takes one grouped filter gradient with the batch
     as groups on PyTorch: 2-D, no dilation, a kernel larger than 1x1, at most
-    :data:`TORCH_GROUPED_MAX_CHANNELS` input channels and (unless ``over_shifted``) patches at
-    least :data:`TORCH_GROUPED_MIN_PATCH_WIDTH` wide."""
+    :data:`TORCH_GROUPED_MAX_CHANNELS` input channels and (unless ``over_shifted``) patches
+    :data:`TORCH_GROUPED_MIN_PATCH_WIDTH` to :data:`TORCH_GROUPED_MAX_PATCH_WIDTH` wide."""
     if (len(kernel_size) != 2 or any(r != 1 for r in dilation) or math.prod(kernel_size) == 1
             or channels > TORCH_GROUPED_MAX_CHANNELS):
         return False
-    return over_shifted or math.prod(kernel_size) * channels >= TORCH_GROUPED_MIN_PATCH_WIDTH
+    width = math.prod(kernel_size) * channels
+    return over_shifted or TORCH_GROUPED_MIN_PATCH_WIDTH <= width <= TORCH_GROUPED_MAX_PATCH_WIDTH
 
 
 def shifted_products_win(kernel_size, strides, channels: int) -> bool:
@@ -290,5 +296,5 @@ __all__ = ["CHUNK_BYTES", "GEMM_ADVANTAGE", "ROWS_PAIRWISE_MAX_POSITIONS",
            "XLA_FILTER_GRADIENT_MIN_MULTIPLY_ADDS", "xla_filter_gradient_wins",
            "GROUPED_MIN_PATCH_WIDTH", "GROUPED_MAX_CHANNELS",
            "grouped_filter_gradients_win", "TORCH_GROUPED_MAX_CHANNELS",
-           "TORCH_GROUPED_MIN_PATCH_WIDTH",
+           "TORCH_GROUPED_MAX_PATCH_WIDTH", "TORCH_GROUPED_MIN_PATCH_WIDTH",
            "torch_grouped_filter_gradients_win"]
