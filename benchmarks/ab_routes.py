@@ -24,13 +24,21 @@ a route switched off (``--switch``):
   rather than strided slices (``pergrad.rules.conv.patches_by_slices``);
 * ``torch_depthwise``: on PyTorch, depthwise kernels' per-example products by the einsum over
   their patches rather than one grouped filter gradient (the depthwise rule as on JAX);
+* ``xla_outer``: on TensorFlow, a one-position layer's per-example kernel gradients (a Dense
+  layer's outer products) written by TensorFlow's broadcasting ``Mul`` rather than one nested
+  XLA computation (``pergrad.backend.ops.outer_products``);
+* ``xla_rows``: on TensorFlow, an embedding's per-example tables added by ``UnsortedSegmentSum``
+  rather than one nested XLA computation (``pergrad.backend.ops.segment_sum``);
+* ``direct_products``: materialized per-example gradients (``gradients``) transposed from the
+  ``D^T A`` products the norms use rather than multiplied as ``A^T D`` in the variable's order
+  (``pergrad.rules.forms.Factored._products_in_variable_order``);
 * ``grouped``: on TensorFlow, a convolution that takes one grouped filter gradient with the
   batch as groups for its per-example products (wide enough patches, or the shifted route's
   geometry with few channels) takes the patches or the shifted products instead
   (``pergrad.rules.cost.grouped_filter_gradients_win``).
 
-``folded``, ``one_pass_norms``, ``pairwise_rows`` and ``grouped`` are TensorFlow routes;
-``shifted_ghost`` runs on JAX too (``KERAS_BACKEND=jax``, against JAX's jitted batch gradient),
+``folded``, ``one_pass_norms``, ``pairwise_rows``, ``grouped``, ``xla_outer`` and ``xla_rows``
+are TensorFlow routes; ``direct_products`` runs everywhere; ``shifted_ghost`` runs on JAX too (``KERAS_BACKEND=jax``, against JAX's jitted batch gradient),
 and ``xla_filter_sum`` is a JAX route; ``lazy_patches``, ``torch_grouped``, ``torch_slices`` and ``torch_depthwise`` are PyTorch ones
 (``KERAS_BACKEND=torch``, against ``torch.autograd.grad`` of the summed loss through one eager
 call). Several switches separated by commas are switched off together. On PyTorch nothing is
@@ -40,6 +48,7 @@ Their norms and clipped sums and the batch gradient are timed alternately, so th
 see the same machine state; medians are printed as ratios to the batch gradient. With
 ``--dp-step``, a ``PerExampleModel(dp_mean)`` training step traced with each route and the
 plain Keras step on the same weights join the rotation (ratios to the Keras step); with
+``--gradients``, each route's per-example gradients and the ``vmap`` strategy's; with
 ``--monitor``, a ``PerExampleModel(mean())`` step with a ``GradientMonitor`` at every step traced
 with each route and the same step without the monitor (ratios to the latter). Nothing here
 asserts on timings.
@@ -48,6 +57,7 @@ asserts on timings.
     python benchmarks/ab_routes.py --model cnn --batch 64 --rounds 40
     python benchmarks/ab_routes.py --switch one_pass_norms --model text_cnn
     python benchmarks/ab_routes.py --switch grouped --model cnn --dp-step --monitor
+    python benchmarks/ab_routes.py --switch xla_outer,xla_rows,direct_products --gradients --model mlp
     KERAS_BACKEND=jax python benchmarks/ab_routes.py --switch shifted_ghost --model text_cnn
     KERAS_BACKEND=jax python benchmarks/ab_routes.py --switch xla_filter_sum --model text_cnn --dp-step
     KERAS_BACKEND=torch python benchmarks/ab_routes.py \
@@ -67,7 +77,7 @@ from pergrad.backend.lazy import tensorflow as tf
 from pergrad.bench.engine import LOSS
 from pergrad.bench.models import MODELS, batch, twin
 from pergrad.bench.timing import alternating_medians, print_ratios
-from pergrad.rules import conv, cost, depthwise
+from pergrad.rules import conv, cost, depthwise, forms
 
 
 @contextlib.contextmanager
@@ -105,6 +115,14 @@ SWITCHES = {
     "xla_filter_sum": ("filter+ghost", "products",
                        lambda: _replaced(conv, "xla_filter_gradient_wins",
                                          lambda *a, **k: False)),
+    "xla_outer": ("xla outer", "broadcast mul",
+                  lambda: _replaced(forms, "outer_products",
+                                    lambda a, d: a[:, :, :, None] * d[:, None, :, :])),
+    "xla_rows": ("xla rows", "segment sum",
+                 lambda: _replaced(forms, "segment_sum", keras.ops.segment_sum)),
+    "direct_products": ("A^T D", "D^T A+transpose",
+                        lambda: _replaced(forms.Factored, "_blocks_built_here",
+                                          lambda self: True)),
 }
 
 
@@ -165,11 +183,13 @@ def _batch_gradient(model, x, y):
     return lambda: step(x, y)
 
 
-def _traced(model, x, y, switched_off):
+def _traced(model, x, y, switched_off, gradients: bool = False):
     with switched_off() if switched_off else contextlib.nullcontext():
         pex = pergrad.PerExample(model, LOSS)
         pex.norms(x, y)
         pex.clipped_sum(x, y, 1.0)
+        if gradients:
+            pex.gradients(x, y)
     return pex
 
 
@@ -213,6 +233,9 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=40)
     parser.add_argument("--dp-step", action="store_true",
                         help="also time a dp_mean training step per route against Keras's")
+    parser.add_argument("--gradients", action="store_true",
+                        help="also time the per-example gradients per route, and the vmap "
+                             "strategy's")
     parser.add_argument("--monitor", action="store_true",
                         help="also time a step with a GradientMonitor at every step per route "
                              "against the step without it (TensorFlow)")
@@ -235,9 +258,14 @@ def main() -> None:
     if args.monitor and _eager():
         parser.error("--monitor times TensorFlow steps")
     for label, off in ((without_route, switch_off), (with_route, None)):
-        pex = _traced(model, x, y, off)
+        pex = _traced(model, x, y, off, args.gradients)
         calls[f"{label} norms"] = _held(lambda p=pex: p.norms(x, y), off)
         calls[f"{label} clipped_sum"] = _held(lambda p=pex: p.clipped_sum(x, y, 1.0), off)
+        if args.gradients:
+            calls[f"{label} gradients"] = _held(lambda p=pex: p.gradients(x, y), off)
+    if args.gradients:
+        vmap = pergrad.PerExample(model, LOSS, strategy="vmap")
+        calls["vmap gradients"] = lambda: vmap.gradients(x, y)
     routes = ((without_route, switch_off), (with_route, None))
     steps = _dp_steps(model, x, y, routes) if args.dp_step else {}
     monitored = _monitored_steps(args.model, args.batch, routes) if args.monitor else {}

@@ -171,3 +171,80 @@ def test_row_squared_norms_and_their_gradient_on_every_route():
         np.testing.assert_allclose(squared.numpy(), expected, rtol=1e-12)
         np.testing.assert_allclose(gradient.numpy(),
                                    2 * t * np.arange(1.0, 5.0)[:, None, None], rtol=1e-12)
+
+
+def _must_compile_calls(graph) -> int:
+    """Calls in ``graph`` of a function XLA must compile (a nested ``jit_compile=True``)."""
+    count = 0
+    for op in graph.get_operations():
+        if op.type in ("PartitionedCall", "StatefulPartitionedCall"):
+            name = op.get_attr("f").name
+            fdef = graph._get_function(name).cached_definition  # test-only introspection
+            count += bool(fdef.attr["_XlaMustCompile"].b)
+    return count
+
+
+def test_outer_products_on_every_route():
+    """``backend.ops.outer_products``: eagerly, in a plain ``tf.function`` with a dynamic batch
+    (a nested XLA computation there: the graph holds one must-compile call), in a ``tf.cond``
+    branch, under ``jit_compile=True`` (plain ops, no nested call) and through a tape, against
+    NumPy's outer products exactly (one product per number, no rounding to differ)."""
+    from pergrad.backend.ops import outer_products
+
+    rng = np.random.default_rng(0)
+    for dtype in ("float32", "float64"):
+        a = rng.normal(size=(5, 7, 2)).astype(dtype)
+        d = rng.normal(size=(5, 2, 3)).astype(dtype)
+        expected = np.einsum("big,bgo->bigo", a, d)
+        spec = [tf.TensorSpec((None, 7, 2), dtype), tf.TensorSpec((None, 2, 3), dtype)]
+        plain = tf.function(outer_products, input_signature=spec)
+        in_branch = tf.function(lambda a, d: tf.cond(tf.shape(a)[0] > 0,
+                                                     lambda: outer_products(a, d),
+                                                     lambda: tf.zeros([0, 7, 2, 3], a.dtype)),
+                                input_signature=spec)
+        compiled = tf.function(outer_products, jit_compile=True)
+        for route in (outer_products, plain, in_branch, compiled):
+            np.testing.assert_array_equal(route(tf.constant(a), tf.constant(d)).numpy(),
+                                          expected)
+        assert _must_compile_calls(plain.get_concrete_function().graph) == 1
+        assert _must_compile_calls(compiled.get_concrete_function(a, d).graph) == 0
+
+        @tf.function
+        def gradient(a, d):
+            with tf.GradientTape() as tape:
+                tape.watch(a)
+                total = tf.reduce_sum(outer_products(a, d))
+            return tape.gradient(total, a)
+
+        np.testing.assert_allclose(gradient(tf.constant(a), tf.constant(d)).numpy(),
+                                   np.broadcast_to(d.sum(-1)[:, None, :], a.shape), rtol=1e-6)
+
+
+def test_segment_sum_on_every_route():
+    """``backend.ops.segment_sum``: eagerly, in a plain ``tf.function`` whose number of segments
+    is a tensor of a dynamic batch (a nested XLA computation: one must-compile call), in a
+    ``tf.cond`` branch and under ``jit_compile=True`` (plain ops), against NumPy in float64,
+    repeated segments and empty ones included."""
+    from pergrad.backend.ops import segment_sum
+
+    rng = np.random.default_rng(1)
+    values = rng.normal(size=(12, 3))
+    segments = np.array([0, 4, 4, 1, 9, 0, 4, 7, 7, 7, 2, 0], dtype="int32")
+    expected = np.zeros((10, 3))
+    np.add.at(expected, segments, values)
+    spec = [tf.TensorSpec((None, 3), tf.float64), tf.TensorSpec((None,), tf.int32)]
+
+    def per_batch(v, s):  # 10 segments, counted from the dynamic leading size as a tensor
+        return segment_sum(v, s, tf.shape(v)[0] - 2)
+
+    plain = tf.function(per_batch, input_signature=spec)
+    in_branch = tf.function(lambda v, s: tf.cond(tf.shape(v)[0] > 0, lambda: per_batch(v, s),
+                                                 lambda: tf.zeros([0, 3], tf.float64)),
+                            input_signature=spec)
+    compiled = tf.function(lambda v, s: segment_sum(v, s, 10), jit_compile=True)
+    for route in (lambda v, s: segment_sum(v, s, 10), plain, in_branch, compiled):
+        np.testing.assert_allclose(route(tf.constant(values), tf.constant(segments)).numpy(),
+                                   expected, rtol=1e-12)
+    assert _must_compile_calls(plain.get_concrete_function().graph) == 1
+    assert _must_compile_calls(
+        compiled.get_concrete_function(tf.constant(values), tf.constant(segments)).graph) == 0

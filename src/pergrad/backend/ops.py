@@ -50,6 +50,62 @@ def matmul_ta(a: Any, b: Any) -> Any:
     return ops.matmul(ops.swapaxes(a, -1, -2), b)
 
 
+def outer_products(a: Any, d: Any) -> Any:
+    """``(B, I, G, O)``: ``m[b, i, g, o] = a[b, i, g] d[b, g, o]``, one outer product per
+    example and group (a one-position layer's per-example kernel gradients, ``B I G O``
+    numbers written once: memory-bound).
+
+    TensorFlow's broadcasting ``Mul`` writes them at about half the speed of memory (the MLP's
+    784 x 512 layer, batch 256, float32: 36 ms); one small XLA computation writes the same
+    numbers in 18 ms (float64: 60 against 34 ms), so on TensorFlow the product is a nested
+    ``tf.function(jit_compile=True)``, unless the graph is compiled by XLA already."""
+    if is_tensorflow():
+        from pergrad._compat import tracing_for_xla
+
+        if not tracing_for_xla():
+            return _xla_outer_products()(a, d)
+    return a[:, :, :, None] * d[:, None, :, :]
+
+
+@functools.cache
+def _xla_outer_products() -> Callable[[Any, Any], Any]:
+    import tensorflow as tf
+
+    return tf.function(lambda a, d: a[:, :, :, None] * d[:, None, :, :], jit_compile=True,
+                       reduce_retracing=True)
+
+
+def segment_sum(values: Any, segments: Any, num_segments: Any) -> Any:
+    """``out[n] = sum_{k: segments[k] = n} values[k]``, ``(num_segments, ...)``: rows added into
+    zeros, as an embedding's per-example tables are.
+
+    On TensorFlow one small XLA computation (a nested ``tf.function(jit_compile=True)``, unless
+    the graph is compiled by XLA already) adds the rows: the transformer's per-example tables
+    (16,384 rows of 128 into 256,000) 8.4 against 15.5 ms for ``UnsortedSegmentSum``, the text
+    CNN's (32,768 rows of 64 into 2.56M) 31 against 42 ms. On PyTorch ``index_add_`` adds them
+    in place: Keras's ``segment_sum`` copies all the rows again (the text CNN's: 187 against
+    481 ms)."""
+    if is_tensorflow():
+        from pergrad._compat import tracing_for_xla
+
+        if not tracing_for_xla():
+            return _xla_segment_sum()(values, segments, num_segments)
+    if is_torch():
+        import torch
+
+        out = torch.zeros((num_segments, *values.shape[1:]), dtype=values.dtype,
+                          device=values.device)
+        return out.index_add_(0, segments.long(), values)
+    return ops.segment_sum(values, segments, num_segments)
+
+
+@functools.cache
+def _xla_segment_sum() -> Callable[[Any, Any, Any], Any]:
+    import tensorflow as tf
+
+    return tf.function(tf.math.unsorted_segment_sum, jit_compile=True, reduce_retracing=True)
+
+
 def row_squared_norms(t: Any) -> Any:
     """``(B,)``: ``||t[i]||^2``, the sum of squares over every axis but the first.
 
