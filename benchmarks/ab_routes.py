@@ -48,7 +48,8 @@ Their norms and clipped sums and the batch gradient are timed alternately, so th
 see the same machine state; medians are printed as ratios to the batch gradient. With
 ``--dp-step``, a ``PerExampleModel(dp_mean)`` training step traced with each route and the
 plain Keras step on the same weights join the rotation (ratios to the Keras step); with
-``--gradients``, each route's per-example gradients and the ``vmap`` strategy's; with
+``--gradients``, each route's per-example gradients and the ``vmap`` strategy's (in a rotation
+of their own with the batch gradient: writing ``B x P`` numbers slows the calls after them); with
 ``--monitor``, a ``PerExampleModel(mean())`` step with a ``GradientMonitor`` at every step traced
 with each route and the same step without the monitor (ratios to the latter). Nothing here
 asserts on timings.
@@ -257,21 +258,24 @@ def main() -> None:
     switch_off = _switched_off(args.switch)
     if args.monitor and _eager():
         parser.error("--monitor times TensorFlow steps")
+    # The gradients write B x P numbers (hundreds of MB): timed in a rotation of their own,
+    # since they slow whatever follows them (the Embedding bag's norms by 20-30%).
+    gradient_calls = {"batch gradient": calls["batch gradient"]}
     for label, off in ((without_route, switch_off), (with_route, None)):
         pex = _traced(model, x, y, off, args.gradients)
         calls[f"{label} norms"] = _held(lambda p=pex: p.norms(x, y), off)
         calls[f"{label} clipped_sum"] = _held(lambda p=pex: p.clipped_sum(x, y, 1.0), off)
-        if args.gradients:
-            calls[f"{label} gradients"] = _held(lambda p=pex: p.gradients(x, y), off)
-    if args.gradients:
-        vmap = pergrad.PerExample(model, LOSS, strategy="vmap")
-        calls["vmap gradients"] = lambda: vmap.gradients(x, y)
+        gradient_calls[f"{label} gradients"] = _held(lambda p=pex: p.gradients(x, y), off)
+    vmap = pergrad.PerExample(model, LOSS, strategy="vmap")
+    gradient_calls["vmap gradients"] = lambda: vmap.gradients(x, y)
     routes = ((without_route, switch_off), (with_route, None))
     steps = _dp_steps(model, x, y, routes) if args.dp_step else {}
     monitored = _monitored_steps(args.model, args.batch, routes) if args.monitor else {}
     medians = alternating_medians({**calls, **steps, **monitored}, args.rounds)
     title = f"{args.model}, batch {args.batch}, {args.rounds} rounds (medians)"
     print_ratios(title, {k: v for k, v in medians.items() if k in calls}, "batch gradient")
+    if args.gradients:
+        print_ratios(title, alternating_medians(gradient_calls, args.rounds), "batch gradient")
     if steps:
         print_ratios(title, {k: medians[k] for k in steps}, "keras step")
     if monitored:
