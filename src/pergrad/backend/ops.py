@@ -59,11 +59,8 @@ def outer_products(a: Any, d: Any) -> Any:
     784 x 512 layer, batch 256, float32: 36 ms); one small XLA computation writes the same
     numbers in 18 ms (float64: 60 against 34 ms), so on TensorFlow the product is a nested
     ``tf.function(jit_compile=True)``, unless the graph is compiled by XLA already."""
-    if is_tensorflow():
-        from pergrad._compat import tracing_for_xla
-
-        if not tracing_for_xla():
-            return _xla_outer_products()(a, d)
+    if is_tensorflow() and _nested_xla_wanted():
+        return _xla_outer_products()(a, d)
     return a[:, :, :, None] * d[:, None, :, :]
 
 
@@ -85,11 +82,8 @@ def segment_sum(values: Any, segments: Any, num_segments: Any) -> Any:
     CNN's (32,768 rows of 64 into 2.56M) 31 against 42 ms. On PyTorch ``index_add_`` adds them
     in place: Keras's ``segment_sum`` copies all the rows again (the text CNN's: 187 against
     481 ms)."""
-    if is_tensorflow():
-        from pergrad._compat import tracing_for_xla
-
-        if not tracing_for_xla():
-            return _xla_segment_sum()(values, segments, num_segments)
+    if is_tensorflow() and _nested_xla_wanted():
+        return _xla_segment_sum()(values, segments, num_segments)
     if is_torch():
         import torch
 
@@ -104,6 +98,29 @@ def _xla_segment_sum() -> Callable[[Any, Any, Any], Any]:
     import tensorflow as tf
 
     return tf.function(tf.math.unsorted_segment_sum, jit_compile=True, reduce_retracing=True)
+
+
+def _nested_xla_wanted() -> bool:
+    """Whether a TensorFlow graph being built now should call a nested XLA computation: not
+    when XLA compiles the whole graph already, and only where XLA runs at all (not on a build
+    or device plugin without it)."""
+    from pergrad._compat import tracing_for_xla
+
+    return not tracing_for_xla() and _nested_xla_runs()
+
+
+@functools.cache
+def _nested_xla_runs() -> bool:
+    """Whether TensorFlow compiles and runs a ``jit_compile=True`` function here: asked once,
+    eagerly, on a tiny input."""
+    import tensorflow as tf
+
+    with tf.init_scope():  # eagerly, even while a graph is being traced
+        try:
+            _xla_outer_products()(tf.zeros([1, 1, 1]), tf.zeros([1, 1, 1]))
+        except (tf.errors.OpError, NotImplementedError, ValueError):
+            return False
+    return True
 
 
 def row_squared_norms(t: Any) -> Any:
