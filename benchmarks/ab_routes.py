@@ -118,7 +118,7 @@ SWITCHES = {
                                          lambda *a, **k: False)),
     "xla_outer": ("xla outer", "broadcast mul",
                   lambda: _replaced(forms, "outer_products",
-                                    lambda a, d: a[:, :, :, None] * d[:, None, :, :])),
+                                    backend_ops.broadcast_outer_products)),
     "xla_rows": ("xla rows", "segment sum",
                  lambda: _replaced(forms, "segment_sum", keras.ops.segment_sum)),
     "direct_products": ("A^T D", "D^T A+transpose",

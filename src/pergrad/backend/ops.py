@@ -61,6 +61,11 @@ def outer_products(a: Any, d: Any) -> Any:
     ``tf.function(jit_compile=True)``, unless the graph is compiled by XLA already."""
     if is_tensorflow() and _nested_xla_wanted():
         return _xla_outer_products()(a, d)
+    return broadcast_outer_products(a, d)
+
+
+def broadcast_outer_products(a: Any, d: Any) -> Any:
+    """:func:`outer_products` as one broadcasting multiplication, on any backend."""
     return a[:, :, :, None] * d[:, None, :, :]
 
 
@@ -68,8 +73,7 @@ def outer_products(a: Any, d: Any) -> Any:
 def _xla_outer_products() -> Callable[[Any, Any], Any]:
     import tensorflow as tf
 
-    return tf.function(lambda a, d: a[:, :, :, None] * d[:, None, :, :], jit_compile=True,
-                       reduce_retracing=True)
+    return tf.function(broadcast_outer_products, jit_compile=True, reduce_retracing=True)
 
 
 def segment_sum(values: Any, segments: Any, num_segments: Any) -> Any:

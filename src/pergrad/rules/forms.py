@@ -213,17 +213,11 @@ class Factored:
                                              self.d.shape[3])]
         if None in sizes or not sums_from_matrices(math.prod(sizes)):
             return None
-        token = trace_token()
-        if token is None:  # JAX: XLA merges the repeated product with the norms' one
-            return self._per_example_blocks() if self._matrices_traced else None
-        if self._matrices is None:
+        if not self._blocks_built_here():
             return None
-        built, graph = self._matrices[0], token
-        while graph is not None:
-            if graph is built:
-                return self._matrices[1]
-            graph = getattr(graph, "outer_graph", None)
-        return None
+        if trace_token() is None:  # JAX: XLA merges the repeated product with the norms' one
+            return self._per_example_blocks()
+        return self._matrices[1]
 
     def materialize(self) -> Tensor:
         if self.a_shape[1] == 1 and self.per_example is None:
