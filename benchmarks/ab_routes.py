@@ -27,8 +27,10 @@ a route switched off (``--switch``):
 * ``xla_outer``: on TensorFlow, a one-position layer's per-example kernel gradients (a Dense
   layer's outer products) written by TensorFlow's broadcasting ``Mul`` rather than one nested
   XLA computation (``pergrad.backend.ops.outer_products``);
-* ``xla_rows``: on TensorFlow, an embedding's per-example tables added by ``UnsortedSegmentSum``
-  rather than one nested XLA computation (``pergrad.backend.ops.segment_sum``);
+* ``xla_rows``: on TensorFlow, an embedding's per-example tables and its weighted sums (clipped
+  and DP sums) added by ``UnsortedSegmentSum`` rather than one nested XLA computation
+  (``pergrad.backend.ops.segment_sum``; on PyTorch Keras's ``segment_sum`` rather than
+  ``index_add_``);
 * ``direct_products``: materialized per-example gradients (``gradients``) transposed from the
   ``D^T A`` products the norms use rather than multiplied as ``A^T D`` in the variable's order
   (``pergrad.rules.forms.Factored._products_in_variable_order``);
@@ -37,8 +39,8 @@ a route switched off (``--switch``):
   geometry with few channels) takes the patches or the shifted products instead
   (``pergrad.rules.cost.grouped_filter_gradients_win``).
 
-``folded``, ``one_pass_norms``, ``pairwise_rows``, ``grouped``, ``xla_outer`` and ``xla_rows``
-are TensorFlow routes; ``direct_products`` runs everywhere; ``shifted_ghost`` runs on JAX too (``KERAS_BACKEND=jax``, against JAX's jitted batch gradient),
+``folded``, ``one_pass_norms``, ``pairwise_rows``, ``grouped`` and ``xla_outer`` are TensorFlow
+routes; ``xla_rows`` runs on TensorFlow and PyTorch; ``direct_products`` runs everywhere; ``shifted_ghost`` runs on JAX too (``KERAS_BACKEND=jax``, against JAX's jitted batch gradient),
 and ``xla_filter_sum`` is a JAX route; ``lazy_patches``, ``torch_grouped``, ``torch_slices`` and ``torch_depthwise`` are PyTorch ones
 (``KERAS_BACKEND=torch``, against ``torch.autograd.grad`` of the summed loss through one eager
 call). Several switches separated by commas are switched off together. On PyTorch nothing is

@@ -104,6 +104,34 @@ SCRIPT = textwrap.dedent(r"""
                             - one_step(aggregate.clip_mean(1.0), s) for s in range(3)])
     out["noise_std"] = float(noise.std())
     out["noise_expected"] = 1.0 * 4.0 / 16
+
+    # An embedding, whose clipped sums and per-example tables are nested XLA computations
+    # inside each replica's step (backend.ops.segment_sum); ids repeat within examples.
+    ids = rng.integers(0, 50, size=(32, 7)).astype("int32")
+    ids[:, 1] = ids[:, 0]
+    keras.utils.set_random_seed(1)
+    def embedding_bag():
+        return keras.Sequential([keras.Input((7,), dtype="int32"), keras.layers.Embedding(50, 4),
+                                 keras.layers.GlobalAveragePooling1D(), keras.layers.Dense(3)])
+    start = embedding_bag().get_weights()
+
+    def train_embedding(agg, strategy=None):
+        scope = strategy.scope() if strategy else keras.utils.custom_object_scope({})
+        with scope:
+            inner = embedding_bag()
+            inner.set_weights(start)
+            model = PerExampleModel(inner, agg)
+            model.compile(optimizer=keras.optimizers.SGD(0.5),
+                          loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+        model.fit(ids, y, batch_size=16, epochs=2, shuffle=False, verbose=0)
+        return inner.get_weights()
+
+    for name, make in [("clip_mean", lambda: aggregate.clip_mean(0.05)),
+                       ("dp_mean", lambda: aggregate.dp_mean(0.05, 1.0, seed=3)),
+                       ("median", aggregate.median)]:
+        one = train_embedding(make())
+        out["embedding_" + name] = {"weights": max_diff(one, train_embedding(make(), strategy)),
+                                    "moved": max_diff(one, start)}
     print("RESULT" + json.dumps(out))
 """)
 
@@ -140,3 +168,12 @@ def test_dp_noise_is_added_once_per_global_step(measured):
     """Per-replica noise would show as sqrt(2) (summed) or 1/sqrt(2) (averaged) of this."""
     ratio = measured["noise_std"] / measured["noise_expected"]
     assert abs(ratio - 1) < 0.1, measured
+
+
+@pytest.mark.parametrize("name", ["clip_mean", "dp_mean", "median"])
+def test_embedding_matches_one_device(measured, name):
+    """An embedding's clipped (and noised) sums and its per-example tables (the median reads
+    them) run as nested XLA computations inside each replica's step: the same weights on two
+    replicas as on one device, after steps that moved them."""
+    result = measured["embedding_" + name]
+    assert result["weights"] < 1e-5 and result["moved"] > 1e-3, result

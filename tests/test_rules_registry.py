@@ -97,3 +97,34 @@ def test_embedding_norms_count_repeated_ids_on_every_route(positions, float64, r
                                np.sum(dense ** 2, axis=(1, 2)), rtol=1e-5)
     np.testing.assert_allclose(keras.ops.convert_to_numpy(form.materialize()), dense,
                                rtol=1e-5, atol=1e-12)
+
+
+@pytest.mark.parametrize("id_dtype", ["int32", "int64"])
+def test_embedding_weighted_sum_adds_repeated_ids_on_every_route(id_dtype, float64, rng):
+    """``Rows.weighted_sum`` (a clipped or DP sum's embedding table) against NumPy: ids repeat
+    within and across examples, and coefficients weigh the examples. On TensorFlow a traced
+    sum is one nested XLA segment sum (``backend.ops.segment_sum``: the text CNN's clipped sum
+    1.44x -> 1.36x its batch gradient), and under ``jit_compile=True`` plain ops."""
+    variable = keras.Variable(np.zeros((12, 3)))
+    ids = rng.integers(0, 12, size=(5, 9)).astype(id_dtype)
+    ids[:, 1] = ids[:, 0]  # a repeat within every example
+    d = rng.normal(size=(5, 9, 3))
+    c = rng.normal(size=5)
+    expected = np.zeros((12, 3))
+    np.add.at(expected, ids.ravel(), (d * c[:, None, None]).reshape(-1, 3))
+
+    def weighted_sum(ids, d, c):
+        return Rows(variable, ids, d).weighted_sum(c)
+
+    tensors = [keras.ops.convert_to_tensor(t) for t in (ids, d, c)]
+    np.testing.assert_allclose(keras.ops.convert_to_numpy(weighted_sum(*tensors)), expected,
+                               rtol=1e-12, atol=1e-12)
+    if keras.backend.backend() == "tensorflow":
+        import tensorflow as tf
+        from test_compat import _must_compile_calls
+
+        plain, compiled = tf.function(weighted_sum), tf.function(weighted_sum, jit_compile=True)
+        for route in (plain, compiled):
+            np.testing.assert_allclose(route(*tensors).numpy(), expected, rtol=1e-12, atol=1e-12)
+        assert _must_compile_calls(plain.get_concrete_function(*tensors).graph) == 1
+        assert _must_compile_calls(compiled.get_concrete_function(*tensors).graph) == 0

@@ -78,14 +78,15 @@ def _xla_outer_products() -> Callable[[Any, Any], Any]:
 
 def segment_sum(values: Any, segments: Any, num_segments: Any) -> Any:
     """``out[n] = sum_{k: segments[k] = n} values[k]``, ``(num_segments, ...)``: rows added into
-    zeros, as an embedding's per-example tables are.
+    zeros, as an embedding's per-example tables and its weighted sums (clipped and DP sums) are.
 
     On TensorFlow one small XLA computation (a nested ``tf.function(jit_compile=True)``, unless
     the graph is compiled by XLA already) adds the rows: the transformer's per-example tables
     (16,384 rows of 128 into 256,000) 8.4 against 15.5 ms for ``UnsortedSegmentSum``, the text
-    CNN's (32,768 rows of 64 into 2.56M) 31 against 42 ms. On PyTorch ``index_add_`` adds them
-    in place: Keras's ``segment_sum`` copies all the rows again (the text CNN's: 187 against
-    481 ms)."""
+    CNN's (32,768 rows of 64 into 2.56M) 31 against 42 ms; the text CNN's clipped sum (the
+    same rows into its 10,000-row table) 1.44x -> 1.36x its batch gradient. On PyTorch
+    ``index_add_`` adds them in place: Keras's ``segment_sum`` copies all the rows again (the
+    text CNN's: 187 against 481 ms)."""
     if is_tensorflow() and _nested_xla_wanted():
         return _xla_segment_sum()(values, segments, num_segments)
     if is_torch():
