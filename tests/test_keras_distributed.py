@@ -172,8 +172,9 @@ def test_dp_noise_is_added_once_per_global_step(measured):
 
 @pytest.mark.parametrize("name", ["clip_mean", "dp_mean", "median"])
 def test_embedding_matches_one_device(measured, name):
-    """An embedding's clipped (and noised) sums and its per-example tables (the median reads
-    them) run as nested XLA computations inside each replica's step: the same weights on two
-    replicas as on one device, after steps that moved them."""
+    """An embedding's clipped (and noised) sums run as nested XLA computations inside each
+    replica's step: the same weights on two replicas as on one device, after steps that moved
+    them. The median reads the per-example tables, nested XLA computations before the sums
+    were: a regression check of that route under replicas."""
     result = measured["embedding_" + name]
     assert result["weights"] < 1e-5 and result["moved"] > 1e-3, result

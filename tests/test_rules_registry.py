@@ -100,11 +100,22 @@ def test_embedding_norms_count_repeated_ids_on_every_route(positions, float64, r
 
 
 @pytest.mark.parametrize("id_dtype", ["int32", "int64"])
-def test_embedding_weighted_sum_adds_repeated_ids_on_every_route(id_dtype, float64, rng):
+def test_embedding_weighted_sum_adds_repeated_ids_on_every_route(id_dtype, float64, rng,
+                                                                  monkeypatch):
     """``Rows.weighted_sum`` (a clipped or DP sum's embedding table) against NumPy: ids repeat
-    within and across examples, and coefficients weigh the examples. On TensorFlow a traced
-    sum is one nested XLA segment sum (``backend.ops.segment_sum``: the text CNN's clipped sum
-    1.44x -> 1.36x its batch gradient), and under ``jit_compile=True`` plain ops."""
+    within and across examples, and coefficients weigh the examples. It adds the rows with
+    ``backend.ops.segment_sum`` on every backend; on TensorFlow a traced sum is one nested XLA
+    computation, and under ``jit_compile=True`` plain ops."""
+    from pergrad.rules import forms
+
+    calls = []
+
+    def counted(*args):
+        calls.append(args)
+        return segment_sum(*args)
+
+    segment_sum = forms.segment_sum
+    monkeypatch.setattr(forms, "segment_sum", counted)
     variable = keras.Variable(np.zeros((12, 3)))
     ids = rng.integers(0, 12, size=(5, 9)).astype(id_dtype)
     ids[:, 1] = ids[:, 0]  # a repeat within every example
@@ -119,6 +130,7 @@ def test_embedding_weighted_sum_adds_repeated_ids_on_every_route(id_dtype, float
     tensors = [keras.ops.convert_to_tensor(t) for t in (ids, d, c)]
     np.testing.assert_allclose(keras.ops.convert_to_numpy(weighted_sum(*tensors)), expected,
                                rtol=1e-12, atol=1e-12)
+    assert len(calls) == 1
     if keras.backend.backend() == "tensorflow":
         import tensorflow as tf
         from test_compat import _must_compile_calls

@@ -587,8 +587,8 @@ class Rows:
 
     def weighted_sum(self, coefficients: Tensor) -> Tensor:
         """``sum_i c_i g_i``: the rows ``c_i D_i[t]`` added into the table at ``ids_i[t]`` by
-        :func:`pergrad.backend.ops.segment_sum` (TensorFlow: one nested XLA computation, the
-        text CNN's clipped sum 1.44x -> 1.36x its batch gradient; PyTorch: ``index_add_``)."""
+        :func:`pergrad.backend.ops.segment_sum` (TensorFlow: one nested XLA computation;
+        PyTorch: ``index_add_``)."""
         c = ops.cast(coefficients, dtype_of(self.d))[:, None, None]
         flat = ops.reshape(self.d * c, [-1, self.d.shape[-1]])
         return segment_sum(flat, ops.reshape(ops.cast(self.ids, "int32"), [-1]), self.num_rows)
