@@ -108,13 +108,12 @@ def test_embedding_weighted_sum_adds_repeated_ids_on_every_route(id_dtype, float
     computation, and under ``jit_compile=True`` plain ops."""
     from pergrad.rules import forms
 
-    calls = []
+    calls, segment_sum = [], forms.segment_sum
 
     def counted(*args):
         calls.append(args)
         return segment_sum(*args)
 
-    segment_sum = forms.segment_sum
     monkeypatch.setattr(forms, "segment_sum", counted)
     variable = keras.Variable(np.zeros((12, 3)))
     ids = rng.integers(0, 12, size=(5, 9)).astype(id_dtype)
