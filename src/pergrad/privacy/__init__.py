@@ -7,7 +7,16 @@
 - :func:`noise_multiplier_for`: the noise multiplier that meets a target epsilon.
 - :func:`max_steps_for`: the most steps a target epsilon allows.
 - :func:`poisson_batches`: the Poisson-sampled, padded batches the accounting assumes.
+
+The accounting needs only ``dp_accounting``; :mod:`pergrad.privacy.sampling` (``tf.data``, via
+:mod:`pergrad.backend`, which imports Keras) is imported on first use of its names, so pure
+accounting (``pergrad privacy`` on the command line) never loads Keras or a backend.
 """
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
 
 from pergrad.privacy.accounting import (
     dp_sgd_steps,
@@ -16,7 +25,13 @@ from pergrad.privacy.accounting import (
     max_steps_for,
     noise_multiplier_for,
 )
-from pergrad.privacy.sampling import poisson_batches
+
+# name -> (module, attribute; None for the module itself), imported on first use: these need
+# Keras and TensorFlow.
+_LAZY: dict[str, tuple[str, str | None]] = {
+    "poisson_batches": ("pergrad.privacy.sampling", "poisson_batches"),
+    "sampling": ("pergrad.privacy.sampling", None),
+}
 
 __all__ = [
     "dp_sgd_steps",
@@ -26,3 +41,23 @@ __all__ = [
     "noise_multiplier_for",
     "poisson_batches",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    try:
+        module_name, attribute = _LAZY[name]
+    except KeyError:
+        raise AttributeError(f"module 'pergrad.privacy' has no attribute {name!r}") from None
+    module = importlib.import_module(module_name)
+    value = module if attribute is None else getattr(module, attribute)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_LAZY))
+
+
+if TYPE_CHECKING:  # what the lazy names are, for type checkers and IDEs
+    from pergrad.privacy import sampling  # noqa: F401
+    from pergrad.privacy.sampling import poisson_batches  # noqa: F401
