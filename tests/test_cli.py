@@ -30,26 +30,27 @@ def test_analyze_writes_the_report_and_finds_flipped_labels(tmp_path):
     done = pergrad("analyze", "--epochs", "3", "--label-noise", "0.2", "--out", str(out),
                    "--seed", "1")
     assert done.returncode == 0, done.stderr[-3000:]
-    for name in ("metrics.csv", "examples.csv", "report.png", "flagged_examples.png",
-                 "influence.png", "summary.json"):
+    for name in ("metrics.csv", "examples.csv", "label_issues.csv", "report.png",
+                 "flagged_examples.png", "influence.png", "summary.json"):
         assert (out / name).stat().st_size > 0, name
     for name in ("report.png", "flagged_examples.png", "influence.png"):
         assert (out / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     summary = json.loads((out / "summary.json").read_text())
-    assert summary["epochs"] == 3 and summary["examples"] == 1437
+    assert summary["epochs"] == 3 and summary["rows"] == 1797
+    assert summary["training_rows"] == 1437 and summary["held_out_rows"] == 360
     detection = summary["label_noise_detection"]["default"]
-    assert detection["k"] == round(0.2 * 1437)
-    from pergrad import demo  # the flips are listed, as the demo made them from the clean labels
-    (_, clean), _ = demo.load_digits_split(seed=1)
+    assert detection["k"] == round(0.2 * 1797)
+    from pergrad import demo  # flips are listed by their row in scikit-learn's digits
+    _, clean = demo.load_digits_images()
     noisy, flipped = demo.flip_labels(clean, 0.2, seed=1)
-    assert summary["flipped"] == [{"index": int(i), "given": int(noisy[i]), "true": int(clean[i])}
+    assert summary["flipped"] == [{"row": int(i), "given": int(noisy[i]), "true": int(clean[i])}
                                   for i in np.flatnonzero(flipped)]
     assert detection["roc_auc"] > 0.7, detection  # random ranking gives 0.5
     rows = (out / "examples.csv").read_text().splitlines()
-    assert rows[0].startswith("rank,index,given,true,seen,default,loss")
-    assert len(rows) == 1 + 1437
+    assert rows[0].startswith("rank,row,split,given,true,suggested,flagged_by,seen,default,loss")
+    assert len(rows) == 1 + 1797
     ranked = [int(r.split(",")[1]) for r in rows[1:17]]
-    assert ranked == [s["index"] for s in summary["most_suspect"]]
+    assert ranked == [s["row"] for s in summary["most_suspect"]]
     assert [len(e["most_helpful"]) for e in summary["influence"]] == [4] * 4
     header = (out / "metrics.csv").read_text().splitlines()[0].split(",")
     assert {"step", "loss", "noise_scale", "fraction_against_rest", "norm_p50"} <= set(header)
@@ -62,18 +63,19 @@ def test_analyze_on_the_jax_backend(tmp_path):
     out = tmp_path / "report"
     env = dict(os.environ, KERAS_BACKEND="jax", TF_CPP_MIN_LOG_LEVEL="2", MPLBACKEND="Agg")
     done = subprocess.run([sys.executable, "-m", "pergrad", "analyze", "--epochs", "2",
-                           "--batch-size", "128", "--label-noise", "0.2", "--out", str(out)],
+                           "--batch-size", "128", "--label-noise", "0.2", "--folds", "0",
+                           "--out", str(out)],
                           capture_output=True, text=True, env=env, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     summary = json.loads((out / "summary.json").read_text())
-    assert summary["epochs"] == 2 and summary["examples"] == 1437
+    assert summary["epochs"] == 2 and summary["training_rows"] == 1437
     detection = summary["label_noise_detection"]
-    assert detection["default"]["k"] == round(0.2 * 1437)
+    assert detection["default"]["k"] == round(0.2 * 1797)
     assert detection["default"]["roc_auc"] > 0.7, detection  # random ranking gives 0.5
     assert set(summary["final"]) >= {"loss", "accuracy", "noise_scale", "fraction_against_rest"}
-    rows = (out / "examples.csv").read_text().splitlines()
-    assert len(rows) == 1 + 1437
-    seen = [int(r.split(",")[4]) for r in rows[1:]]
+    rows = [r.split(",") for r in (out / "examples.csv").read_text().splitlines()]
+    assert len(rows) == 1 + 1797
+    seen = [int(r[7]) for r in rows[1:] if r[2] == "train"]
     assert seen == [2] * 1437  # every example in one batch per epoch, tracked by its index
     metrics = (out / "metrics.csv").read_text().splitlines()
     assert len(metrics) == 1 + 2 * 12  # one row per step: 12 batches of 128 per epoch
@@ -85,7 +87,7 @@ def test_analyze_on_the_jax_backend(tmp_path):
 
 def test_analyze_dp_reports_epsilon(tmp_path):
     done = pergrad("analyze", "--epochs", "1", "--aggregator", "dp", "--batch-size", "128",
-                   "--out", str(tmp_path))
+                   "--folds", "0", "--out", str(tmp_path))
     assert done.returncode == 0, done.stderr[-3000:]
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert 0 < summary["final"]["epsilon"] < 100
@@ -211,9 +213,9 @@ def test_analyze_your_own_model_and_arrays(tmp_path):
                        str(tmp_path / "train.npz"), "--epochs", "2", "--batch-size", "16",
                        "--label-noise", "0.1", "--out", str(out)) == 0
     summary = json.loads((out / "summary.json").read_text())
-    assert summary["examples"] == 48 and len(summary["flipped"]) == 5  # 80% of 60, 10% flipped
+    assert summary["training_rows"] == 48 and len(summary["flipped"]) == 6  # 10% of 60 rows
     rows = (out / "examples.csv").read_text().splitlines()
-    assert len(rows) == 49 and rows[0].startswith("rank,index,given,true,seen,default")
+    assert len(rows) == 61 and rows[0].startswith("rank,row,split,given,true,suggested")
     assert not (out / "flagged_examples.png").exists()  # tabular data: no pictures of inputs
     assert len(summary["influence"]) == 4
 
@@ -232,7 +234,7 @@ def test_analyze_a_folder_of_images_reports_paths(tmp_path):
     out = tmp_path / "report"
     assert _in_process("analyze", "--model", str(tmp_path / "model.keras"), "--data",
                        str(tmp_path / "images"), "--loss", "sparse_categorical_crossentropy",
-                       "--from-logits", "--epochs", "1", "--batch-size", "4",
+                       "--from-logits", "--epochs", "1", "--batch-size", "4", "--folds", "0",
                        "--out", str(out)) == 0
     summary = json.loads((out / "summary.json").read_text())
     assert all(s["path"].endswith(".png") and s["given"] in ("cat", "dog")
@@ -240,7 +242,7 @@ def test_analyze_a_folder_of_images_reports_paths(tmp_path):
     assert summary["influence"][0]["most_helpful"][0]["path"].endswith(".png")
     assert (out / "flagged_examples.png").exists() and (out / "influence.png").exists()
     header = (out / "examples.csv").read_text().splitlines()[0]
-    assert header.startswith("rank,index,path,given,seen")
+    assert header.startswith("rank,row,path,split,given,suggested,flagged_by,seen")
 
 
 @BOTH
@@ -280,9 +282,10 @@ def test_analyze_a_csv_table_with_named_classes(tmp_path):
     out = tmp_path / "report"
     assert _in_process("analyze", "--model", str(tmp_path / "model.keras"), "--data",
                        str(tmp_path / "table.csv"), "--label", "species", "--epochs", "1",
-                       "--batch-size", "8", "--test-fraction", "0", "--out", str(out)) == 0
+                       "--batch-size", "8", "--test-fraction", "0", "--folds", "0",
+                       "--out", str(out)) == 0
     summary = json.loads((out / "summary.json").read_text())
-    assert summary["examples"] == 40 and "influence" not in summary  # nothing held out
+    assert summary["rows"] == 40 and "influence" not in summary  # nothing held out
     assert {s["given"] for s in summary["most_suspect"]} <= {"setosa", "virginica"}
     rows = (out / "examples.csv").read_text().splitlines()
-    assert len(rows) == 41 and rows[0].startswith("rank,index,given,seen")
+    assert len(rows) == 41 and rows[0].startswith("rank,row,split,given,suggested")

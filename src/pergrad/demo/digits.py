@@ -9,6 +9,13 @@ from sklearn.model_selection import train_test_split
 from pergrad.demo.label_noise import flip_labels  # noqa: F401  (its former home)
 
 
+def load_digits_images():
+    """``(x, y)``: all 1,797 images ``(N, 8, 8, 1)`` scaled to [0, 1] and their digits, in
+    scikit-learn's order (row ``i`` is ``sklearn.datasets.load_digits().images[i]``)."""
+    digits = load_digits()
+    return (digits.images / 16.0).astype("float32")[..., None], digits.target.astype("int64")
+
+
 def load_digits_split(test_fraction: float = 0.2, seed: int = 0):
     """``(x_train, y_train), (x_test, y_test)``: images ``(N, 8, 8, 1)`` scaled to [0, 1]."""
     digits = load_digits()

@@ -82,8 +82,9 @@ def _frame(ax, color: str) -> None:
 
 def flagged_examples(images: Any, labels: Any, indices: Any, captions: list[str] | None = None,
                      true_labels: Any = None, heading: str = "Flagged examples",
-                     path: str | os.PathLike | None = None) -> Figure:
-    """A grid of the examples ``indices`` (most suspect first), each titled with its index and
+                     path: str | os.PathLike | None = None, names: Any = None) -> Figure:
+    """A grid of the examples ``indices`` (most suspect first), each titled with its index (or
+    ``names[index]``, e.g. its row in the data file) and
     the label it was trained with (``given``) and an optional caption line. With
     ``true_labels`` (label noise injected on purpose), an example whose given label is wrong
     says ``true t`` and gets a red frame, and the heading counts them."""
@@ -103,7 +104,7 @@ def flagged_examples(images: Any, labels: Any, indices: Any, captions: list[str]
         image = _image(images[index])
         ax.imshow(image, cmap="gray" if image.ndim == 2 else None)
         given = _label(labels[index])
-        title = f"#{index} given {given}"
+        title = f"#{index if names is None else names[index]} given {given}"
         flipped = true_labels is not None and _label(true_labels[index]) != given
         if flipped:
             wrong += 1
@@ -122,12 +123,13 @@ def flagged_examples(images: Any, labels: Any, indices: Any, captions: list[str]
 def influential_examples(influence: Any, train_images: Any, train_labels: Any,
                          test_images: Any, test_labels: Any, k: int = 4,
                          path: str | os.PathLike | None = None, test_indices: Any = None,
-                         train_true_labels: Any = None) -> Figure:
+                         train_true_labels: Any = None, train_names: Any = None) -> Figure:
     """One row per explained test example: the test image, then its ``k`` most helpful training
     examples (green frames: TracIn proponents, training on them lowered this example's loss)
     and its ``k`` most harmful ones (red frames: opponents), each with its training index, given
     label and influence score (:func:`pergrad.stats.influence`). ``test_indices`` numbers the
-    test examples in the titles; with ``train_true_labels`` a training example whose given label
+    test examples in the titles, ``train_names`` the training examples (default: their
+    position in ``train_images``); with ``train_true_labels`` a training example whose given label
     was flipped on purpose also shows its true label."""
     scores = np.asarray(influence.scores)
     helpful, harmful = influence.helpful(k), influence.harmful(k)
@@ -147,7 +149,7 @@ def influential_examples(influence: Any, train_images: Any, train_labels: Any,
             ax.imshow(image, cmap="gray" if image.ndim == 2 else None)
             _frame(ax, color)
             given = _label(train_labels[index])
-            title = f"#{index} given {given}"
+            title = f"#{index if train_names is None else train_names[index]} given {given}"
             if train_true_labels is not None and _label(train_true_labels[index]) != given:
                 title += f" (true {_label(train_true_labels[index])})"
             ax.set_title(f"{title}\n{scores[j, index]:+.2g}", fontsize=7, color=color)
