@@ -5,6 +5,7 @@ training examples (TracIn). ``pergrad analyze`` is the command-line face of this
 from pergrad.analysis.data import DataError, Dataset, load_data
 from pergrad.analysis.out_of_sample import (
     LabelIssues,
+    add_out_of_sample,
     class_probabilities,
     confidence_scores,
     confident_learning,
@@ -12,5 +13,6 @@ from pergrad.analysis.out_of_sample import (
 )
 from pergrad.analysis.run import Analysis, analyze
 
-__all__ = ["Analysis", "DataError", "Dataset", "LabelIssues", "analyze", "class_probabilities",
+__all__ = ["Analysis", "DataError", "Dataset", "LabelIssues", "add_out_of_sample", "analyze",
+           "class_probabilities",
            "confidence_scores", "confident_learning", "cross_fitted_probabilities", "load_data"]

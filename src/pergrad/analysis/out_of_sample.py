@@ -101,6 +101,30 @@ def confident_learning(probabilities: np.ndarray, labels: np.ndarray) -> LabelIs
     return LabelIssues(flagged, suggested, estimated, thresholds)
 
 
+def add_out_of_sample(scores: dict[str, np.ndarray], probabilities: np.ndarray,
+                      labels: np.ndarray, groups: list[np.ndarray] | None = None
+                      ) -> dict[str, np.ndarray]:
+    """``scores`` (:func:`pergrad.stats.label_error_scores`'s, one per example) with the
+    out-of-sample ``self_confidence`` and ``oos_margin`` added and ``default`` replaced by the
+    rank average of the training-dynamics default and ``self_confidence``, within each of
+    ``groups`` (index arrays; default: all examples as one group). The two kinds of evidence
+    fail differently: dynamics see every example at every step of one run on all the data,
+    out-of-sample confidence is free of memorization (docs/analysis.md has the measurements).
+    """
+    from pergrad.stats.label_errors import rank_average
+
+    found = confidence_scores(probabilities, labels)
+    combined = dict(scores)
+    combined["self_confidence"] = found["self_confidence"]
+    combined["oos_margin"] = found["oos_margin"]
+    default = np.array(scores["default"], np.float64, copy=True)
+    for group in groups if groups is not None else [np.arange(len(labels))]:
+        if len(group):
+            default[group] = rank_average(default[group], found["self_confidence"][group])
+    combined["default"] = default
+    return combined
+
+
 def fold_assignment(labels: np.ndarray, folds: int, seed: int = 0) -> np.ndarray:
     """``(N,)`` the fold (``0..folds-1``) of each example, stratified by class.
 

@@ -438,7 +438,7 @@ def _row_scores(analysis, model, x, labels, train, valid, held_losses, from_logi
     cross-fitting every row also gets out-of-sample confidence, ranked into the default."""
     import keras
 
-    from pergrad.analysis.out_of_sample import confidence_scores
+    from pergrad.analysis.out_of_sample import add_out_of_sample
     from pergrad.stats import SINGLE_SCORES
     from pergrad.stats.label_errors import DEFAULT_SCORE, rank_average
     from pergrad.stats.scores import class_scores
@@ -458,13 +458,7 @@ def _row_scores(analysis, model, x, labels, train, valid, held_losses, from_logi
         usable = [scores[k][valid] for k in DEFAULT_SCORE if not np.isnan(scores[k][valid]).all()]
         scores["default"][valid] = rank_average(*usable)
     if out_of_sample is not None:
-        found = confidence_scores(out_of_sample, labels)
-        scores["self_confidence"], scores["oos_margin"] = (found["self_confidence"],
-                                                           found["oos_margin"])
-        for group in (train, valid):
-            if len(group):
-                scores["default"][group] = rank_average(scores["default"][group],
-                                                        scores["self_confidence"][group])
+        scores = add_out_of_sample(scores, out_of_sample, labels, [train, valid])
     return scores, names
 
 
