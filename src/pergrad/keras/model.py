@@ -214,6 +214,7 @@ class PerExampleModel(keras.Model):
         self._per_example_loss = None
         self._target_order = None
         self.noise_state = None
+        self.dp_config = None  # set by pergrad.keras.make_private
         if self.aggregator.noisy:
             if is_jax():
                 noise.require_64_bit_keys()
@@ -291,6 +292,7 @@ class PerExampleModel(keras.Model):
             self.optimizer.build(self.trainable_variables)
 
     def fit(self, *args, **kwargs):
+        args, kwargs = self._with_dp_config(args, kwargs)
         args, kwargs = backups_first(self, args, kwargs)
         if is_torch():  # eager: a refused first step raises MixesExamplesError itself
             args, kwargs = self._with_monitor_callback(args, kwargs)
@@ -320,6 +322,19 @@ class PerExampleModel(keras.Model):
             return logs if return_dict else self._flatten_metrics_in_order(logs)
         with _mixing_errors():
             return super().train_on_batch(*args, **kwargs)
+
+    def _with_dp_config(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        """``fit``'s arguments completed by the :class:`~pergrad.keras.DPConfig` of
+        :func:`~pergrad.keras.make_private` (batch size, epochs, privacy callback), if any."""
+        config = getattr(self, "dp_config", None)
+        if config is None:
+            return args, kwargs
+        bound = inspect.signature(keras.Model.fit).bind_partial(self, *args, **kwargs)
+        arguments = dict(bound.arguments)
+        arguments.pop("self")
+        x = arguments.get("x")
+        arrays = x is not None and all(hasattr(leaf, "shape") for leaf in keras.tree.flatten(x))
+        return (), config.fit_arguments(arguments, given_batches=not arrays)
 
     def _with_monitor_callback(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         """``fit``'s arguments with the monitor added (last) to the callbacks, if it is a
