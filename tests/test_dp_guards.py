@@ -314,3 +314,96 @@ def test_privacy_callback_charges_steps_taken_before_it_and_checks_sigma(rng, tm
     with pytest.raises(ValueError, match="noise_multiplier=1.1"):
         restored.fit(x, y, batch_size=8, verbose=0,
                      callbacks=[pergrad.keras.PrivacyCallback(32, 8, 2.0, 1e-5)])
+
+
+# -- models and arguments that used to end in errors far from their cause (issue 31) ---------------
+
+def _frozen_mlp():
+    model = _mlp()
+    model.trainable = False  # all layers frozen: nothing to take gradients of
+    return model
+
+
+@pytest.mark.all_backends
+def test_a_model_without_trainable_weights_is_a_clear_error(rng):
+    """Used to end in ``TypeError: reduce() of empty iterable`` deep in the norms."""
+    x, y = rng.normal(size=(8, 6)).astype("float32"), rng.normal(size=(8, 3)).astype("float32")
+    with pytest.raises(ValueError, match="no trainable weights.*trainable = True"):
+        pergrad.PerExample(_frozen_mlp(), "mse").norms(x, y)
+    model = PerExampleModel(_frozen_mlp(), aggregate.dp_mean(1.0, 1.1, seed=0))
+    model.compile(optimizer="sgd", loss="mse")
+    with pytest.raises(ValueError, match="no trainable weights"):
+        model.fit(x, y, batch_size=8, verbose=0)
+
+
+@pytest.mark.all_backends
+@pytest.mark.parametrize("clip, sigma, name", [
+    (1e308, 1.1, "l2_norm_clip"),           # beyond float32: used to fail converting to a tensor
+    (1e30, 1e10, "l2_norm_clip \\* noise_multiplier"),  # the noise's stddev overflows float32
+    (float("inf"), 1.0, "l2_norm_clip"),
+    (float("nan"), 1.0, "l2_norm_clip"),
+    (0.0, 1.0, "l2_norm_clip"),
+    (1.0, float("inf"), "noise_multiplier"),
+    (1.0, -0.5, "noise_multiplier"),
+])
+def test_dp_mean_refuses_a_clip_or_noise_out_of_range(clip, sigma, name):
+    with pytest.raises(ValueError, match=name):
+        aggregate.dp_mean(clip, sigma)
+
+
+@pytest.mark.all_backends
+def test_the_largest_float32_noise_is_still_accepted():
+    limit = float(np.finfo(np.float32).max)
+    assert aggregate.dp_mean(limit, 1.0).config["l2_norm_clip"] == limit
+    assert aggregate.dp_mean(1.0, limit).config["noise_multiplier"] == limit
+    with pytest.raises(ValueError, match="l2_norm_clip"):
+        aggregate.clip_mean(1e308)
+
+
+def _swap_batch_and_time(t):
+    return keras.ops.transpose(t, (1, 0, 2))
+
+
+def _attention_over_the_batch():
+    inputs = keras.Input((5, 4))
+    h = keras.layers.Lambda(_swap_batch_and_time)(inputs)
+    h = keras.layers.MultiHeadAttention(2, 3, name="attention")(h, h)
+    return keras.Model(inputs, keras.layers.Lambda(_swap_batch_and_time)(h))
+
+
+def _normalization_over_the_batch(axis):
+    return keras.Sequential([keras.Input((5, 4), batch_size=8), keras.layers.Dense(4),
+                             keras.layers.LayerNormalization(axis=axis, name="norm")])
+
+
+def _refused_both_ways(make, x, y, match, fit=True):
+    with pytest.raises(pergrad.MixesExamplesError, match=match):
+        pergrad.PerExample(make(), "mse").norms(x, y)
+    if not fit:
+        return
+    model = PerExampleModel(make(), aggregate.dp_mean(1.0, 1.1, seed=0))
+    model.compile(optimizer="sgd", loss="mse")
+    with pytest.raises(pergrad.MixesExamplesError):
+        model.fit(x, y, batch_size=8, verbose=0)
+
+
+@pytest.mark.all_backends
+def test_attention_over_the_batch_axis_is_refused(rng):
+    """The attention's projections see the time axis as their batch: ``norms`` used to return 5
+    norms for 8 examples, ``fit`` to end in ``Dimensions must be equal, but are 8 and 5``."""
+    x, y = rng.normal(size=(8, 5, 4)).astype("float32"), rng.normal(size=(8, 5, 4)).astype("float32")
+    _refused_both_ways(_attention_over_the_batch, x, y, "attention.*5 rows for a batch of 8")
+
+
+@pytest.mark.all_backends
+@pytest.mark.parametrize("axis", [0, [0, 2], -3])
+def test_layer_normalization_over_the_batch_axis_is_refused(rng, axis):
+    """Used to end in ``Cannot reshape a tensor with 8 elements`` (norms) or in Keras's own
+    shape error on the one-example call of the mixing check (fit)."""
+    x, y = rng.normal(size=(8, 5, 4)).astype("float32"), rng.normal(size=(8, 5, 4)).astype("float32")
+    # On PyTorch, Keras runs a LayerNormalization over one axis as torch's layer_norm, which
+    # normalizes trailing axes only: the model cannot run at all over axis 0 there (Keras fails
+    # while building PerExampleModel, before pergrad sees it), so only norms is checked.
+    fit = not (keras.backend.backend() == "torch" and axis in (0, -3))
+    _refused_both_ways(lambda: _normalization_over_the_batch(axis), x, y, "'norm'.*batch axis",
+                       fit=fit)

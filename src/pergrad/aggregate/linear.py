@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 from keras import ops
 
 from pergrad.aggregate.base import (
@@ -27,9 +28,38 @@ from pergrad.backend.ops import add_n, dtype_of
 from pergrad.engine import clip_factors
 from pergrad.engine.arguments import integer, real
 
+#: The largest clipping norm and noise standard deviation ``C * sigma`` accepted: float32's
+#: largest finite number, 3.4028235e38. Both become tensors of the variables' dtype (float32 in
+#: most models, and under mixed precision, whose variables stay float32): a larger value would
+#: fail to convert (TensorFlow) or turn into ``inf`` and an update of infinities (JAX, PyTorch).
+LARGEST_CLIP_OR_STDDEV = float(np.finfo(np.float32).max)
+
 
 def _check_positive(name: str, value) -> float:
     return real(value, name, minimum=0.0, strict=True)
+
+
+def _check_clip(value) -> float:
+    """``l2_norm_clip`` as a float in ``(0, LARGEST_CLIP_OR_STDDEV]``."""
+    clip = _check_positive("l2_norm_clip", value)
+    if clip > LARGEST_CLIP_OR_STDDEV:
+        raise ValueError(f"l2_norm_clip must be at most float32's largest number "
+                         f"({LARGEST_CLIP_OR_STDDEV:.8g}), got {value!r}: the clipping is computed "
+                         "in the variables' dtype. Use a clipping norm on the scale of the "
+                         "gradient norms (printed by pergrad.PerExample(model, loss).norms).")
+    return clip
+
+
+def _check_noise(clip: float, noise_multiplier) -> float:
+    """``noise_multiplier`` as a finite float ``>= 0`` whose noise standard deviation
+    ``clip * noise_multiplier`` is at most ``LARGEST_CLIP_OR_STDDEV``."""
+    sigma = real(noise_multiplier, "noise_multiplier", minimum=0.0)
+    if clip * sigma > LARGEST_CLIP_OR_STDDEV:
+        raise ValueError(f"l2_norm_clip * noise_multiplier (the noise's standard deviation, "
+                         f"{clip:g} * {sigma:g}) must be at most float32's largest number "
+                         f"({LARGEST_CLIP_OR_STDDEV:.8g}): the noise is drawn in the variables' "
+                         "dtype. Lower the clipping norm or the noise multiplier.")
+    return sigma
 
 
 def _divide(partial: Partial, divisor=None, name: str = "mean") -> list:
@@ -75,7 +105,7 @@ def clip_mean(l2_norm_clip: float, per_layer: bool = False) -> Aggregator:
     ``C_k = C / sqrt(K)``: ``(1/B) sum_i min(1, C_k / ||g_i[k]||) g_i[k]``, so that the whole
     clipped gradient still has norm at most ``C``.
     """
-    clip = _check_positive("l2_norm_clip", l2_norm_clip)
+    clip = _check_clip(l2_norm_clip)
     return Aggregator("clip_mean", {"l2_norm_clip": clip, "per_layer": bool(per_layer)},
                       linear_local(_clip_coefficients(clip, bool(per_layer)), needs_norms=True),
                       lambda p, key: _divide(p, name="clip_mean"), clips=True)
@@ -100,9 +130,14 @@ def dp_mean(l2_norm_clip: float, noise_multiplier: float, seed: int | None = Non
     gets its own seed from the operating system; an explicit ``seed`` reproduces the same noise
     for the same sequence of steps, so it may feed only one model. Under ``tf.distribute`` every
     replica draws the same numbers, so the noise is added once.
+
+    Both arguments are checked here, once: ``C`` finite and ``> 0``, ``sigma`` finite and
+    ``>= 0``, and ``C`` and ``C sigma`` at most float32's largest number
+    (:data:`LARGEST_CLIP_OR_STDDEV`), whatever the model's dtype, since the clipping and the
+    noise are computed in the variables' dtype; a ``ValueError`` names the argument otherwise.
     """
-    clip = _check_positive("l2_norm_clip", l2_norm_clip)
-    sigma = real(noise_multiplier, "noise_multiplier", minimum=0.0)
+    clip = _check_clip(l2_norm_clip)
+    sigma = _check_noise(clip, noise_multiplier)
     if expected_batch_size is not None:
         expected_batch_size = integer(expected_batch_size, "expected_batch_size")
     if seed is not None:

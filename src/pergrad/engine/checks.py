@@ -13,6 +13,12 @@ counts only when it is large against that example's loss *and* against the batch
 An example whose loss is non-finite both ways is skipped (a NaN input row); one finite in one
 computation and not in the other is infinitely mixed (another example's NaN leaked into it).
 
+**Refused before any number is compared**, by name: a normalization whose statistics span the
+batch axis (``refuse_statistics_over_the_batch``), a variable whose per-example gradient has
+another number of rows than the batch has examples (:func:`check_rows`: its layer saw a tensor
+whose first axis is not the batch), and a model with no trainable weights
+(:func:`require_trainable_weights`).
+
 **Tolerances** are relative and follow the least precise compute dtype of the model (see
 :func:`mixing_tolerance`, :func:`gradient_tolerance`); float32 on a GPU counts as float16 while
 TensorFloat-32 is enabled (TensorFlow's default), which rounds matmul inputs to 10 bits.
@@ -29,7 +35,7 @@ from keras import ops
 from pergrad import backend
 from pergrad._compat import sublayers
 from pergrad.backend.ops import wide_float
-from pergrad.rules.normalization import MixesExamplesError
+from pergrad.rules.normalization import MixesExamplesError, refuse_statistics_over_the_batch
 
 # Unit roundoff u = 2^-p of each floating dtype (p significand bits, the implicit one included).
 _ROUNDOFF = {"float64": 2.0 ** -53, "float32": 2.0 ** -24, "float16": 2.0 ** -11,
@@ -156,6 +162,9 @@ def mixing_differences(model, loss_fn, x, y, num_examples: int):
     and out of the batch for ``k < n = num_examples``; with fewer examples than that, the last
     one is repeated. Traceable (a ``tf.function``, a ``tf.cond`` branch): ``num_examples`` model
     calls on one example each, unrolled, no loop."""
+    # A normalization over the batch axis mixes by construction, and its call on one example
+    # would end in a shape error before any loss could be compared: refuse it by name first.
+    refuse_statistics_over_the_batch(model)
     wide = wide_float()
     in_batch = ops.cast(loss_fn(y, model(x, training=False)), wide)
     size = ops.shape(in_batch)[0]
@@ -172,6 +181,47 @@ def mixing_differences(model, loss_fn, x, y, num_examples: int):
     return ops.concatenate(differences, axis=0)
 
 
+def require_trainable_weights(model) -> None:
+    """Refuse a model with no trainable weights (every layer frozen): it has no gradients, per
+    example or otherwise, and the engine would otherwise fail far from the cause."""
+    if not model.trainable_variables:
+        raise ValueError(
+            f"Model {model.name!r} has no trainable weights (e.g. all its layers are frozen: "
+            "model.trainable = False), so it has no per-example gradients. Unfreeze the layers "
+            "to train (layer.trainable = True) before building PerExample or PerExampleModel.")
+
+
+def _static_rows(form) -> int | None:
+    """The static number of examples (leading axis) a form's per-example factor has: its output
+    gradient ``d`` (factored, rows), its materialized value, or ``None`` when unknown (a
+    dynamic batch, a custom form without those members)."""
+    form = getattr(form, "inner", form)  # a Scaled form
+    for name in ("d", "value"):
+        shape = getattr(getattr(form, name, None), "shape", None)
+        if shape is not None and len(shape) > 0:
+            return None if shape[0] is None else int(shape[0])
+    return None
+
+
+def check_rows(result) -> None:
+    """Refuse a result with a variable whose per-example gradients do not have one row per
+    example: its layer was called on a tensor whose first axis is not the batch (attention over
+    a transposed batch, a reshape that folds examples together), so its gradient mixes examples.
+    Static shapes only (no cost): a dynamic batch passes here, and mixing is then caught by
+    :func:`mixing_differences` when it runs."""
+    batch = result.losses.shape[0] if len(result.losses.shape) else None
+    if batch is None:
+        return
+    for variable, form in zip(result.variables, result.forms, strict=True):
+        rows = None if form is None else _static_rows(form)
+        if rows is not None and rows != int(batch):
+            raise MixesExamplesError(
+                f"The per-example gradient of {variable.path!r} has {rows} rows for a batch of "
+                f"{int(batch)} examples: its layer was called on a tensor whose first axis is not "
+                "the batch (a transpose or reshape moved the batch axis, e.g. attention over the "
+                "batch), so it mixes examples and per-example gradients do not exist. Keep the "
+                "batch as the first axis of every layer's input.")
+
 
 def mixing_error(example: int, difference: float) -> MixesExamplesError:
     """The error for a batch whose example ``example``'s loss differs by ``difference``
@@ -180,4 +230,6 @@ def mixing_error(example: int, difference: float) -> MixesExamplesError:
         f"Example {example}'s loss differs by {difference:.3g} (relative) when computed alone: a "
         "layer or the loss mixes examples of a batch (e.g. a mean over axis 0, "
         "BatchNormalization in training mode); per-example gradients and DP guarantees would be "
-        "wrong. Make every layer and the loss compute each example from that example alone.")
+        "wrong. Make every layer and the loss compute each example from that example alone: "
+        "replace BatchNormalization with pergrad.keras.replace_batch_normalization(model) "
+        "(training from scratch) or freeze it (fine-tuning).")

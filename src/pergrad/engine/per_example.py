@@ -14,11 +14,13 @@ from pergrad import backend
 from pergrad.backend.ops import wide_float
 from pergrad.engine.arguments import positive_integer, positive_real
 from pergrad.engine.checks import (
+    check_rows,
     compute_dtype,
     gradient_tolerance,
     mixing_differences,
     mixing_error,
     mixing_tolerance,
+    require_trainable_weights,
 )
 from pergrad.engine.losses import per_example_loss, weighted_losses
 from pergrad.engine.plan import Plan, make_plan
@@ -102,6 +104,7 @@ class PerExample:
         if self._plan is None:
             if not self.model.built:
                 raise ValueError("The model is not built yet; call it on a batch first.")
+            require_trainable_weights(self.model)
             self._plan = make_plan(self.model)
         return self._plan
 
@@ -119,8 +122,10 @@ class PerExample:
         variables to the values being traced; the public methods below are compiled wrappers
         around it.
         """
-        return run(self.strategy, self.model, self.plan, self._loss_fn, x, y, sample_weight,
-                   self.training, self._warned)
+        result = run(self.strategy, self.model, self.plan, self._loss_fn, x, y, sample_weight,
+                     self.training, self._warned)
+        check_rows(result)
+        return result
 
     # -- compiled public methods ----------------------------------------------------------------
     def compiled(self, name: str, body):

@@ -10,7 +10,10 @@ materialized (these variables are small). ``xhat`` is recomputed by the layer it
 follow whatever the installed Keras does.
 
 BatchNormalization in training mode normalizes with the batch's own statistics: every example's
-output depends on every other example, per-example gradients do not exist, and the engine refuses it.
+output depends on every other example, per-example gradients do not exist, and the engine refuses it
+(:func:`pergrad.keras.replace_batch_normalization` swaps it for GroupNormalization). So is a
+LayerNormalization, RMSNormalization or GroupNormalization whose ``axis`` includes the batch axis 0:
+its statistics are taken across examples.
 """
 
 from __future__ import annotations
@@ -18,11 +21,15 @@ from __future__ import annotations
 import keras
 from keras import ops
 
+from pergrad._compat import sublayers
 from pergrad.backend.ops import batch_size, rank
 from pergrad.rules import LayerCall, register
 from pergrad.rules.forms import Materialized
 
 _RMS = (keras.layers.RMSNormalization,) if hasattr(keras.layers, "RMSNormalization") else ()
+# The normalizations whose statistics are each example's own, as long as axis excludes 0.
+_PER_EXAMPLE_NORMALIZATIONS = (keras.layers.LayerNormalization, keras.layers.GroupNormalization,
+                               *_RMS)
 
 
 class MixesExamplesError(ValueError):
@@ -90,11 +97,48 @@ def _refuse_training_mode(layer, call: LayerCall) -> None:
         raise MixesExamplesError(
             f"Layer {layer.name!r} is BatchNormalization in training mode: it normalizes each "
             "example with statistics of the whole batch, so per-example gradients do not exist. "
-            "Use GroupNormalization or LayerNormalization instead, or freeze it "
-            f"(`model.get_layer({layer.name!r}).trainable = False`), or call with training=False."
+            "Training from scratch: replace every BatchNormalization with GroupNormalization by "
+            "`model = pergrad.keras.replace_batch_normalization(model)`. Fine-tuning: freeze it "
+            f"(`model.get_layer({layer.name!r}).trainable = False`, which also runs it in "
+            "inference mode), or call the model with training=False."
         )
 
 
-register(keras.layers.LayerNormalization, keras.layers.GroupNormalization,
-         *_RMS)(normalization_rule)
+def _statistics_axes(layer) -> list[int]:
+    """The axes a LayerNormalization, RMSNormalization or GroupNormalization takes its
+    statistics within (its parameter axes; negative axes as given)."""
+    return list(layer.axis) if isinstance(layer.axis, (list, tuple)) else [layer.axis]
+
+
+def _refuse_batch_axis(layer, rank_of_input: int | None) -> None:
+    """Raise :class:`MixesExamplesError` naming ``layer`` if one of its axes is the batch axis 0
+    of an input of rank ``rank_of_input`` (negative axes need the rank; unknown: not checked)."""
+    axes = _statistics_axes(layer)
+    if any(a == 0 or (rank_of_input is not None and a == -rank_of_input) for a in axes):
+        raise MixesExamplesError(
+            f"Layer {layer.name!r} ({type(layer).__name__}) has axis={layer.axis!r}, which "
+            "includes the batch axis 0: it normalizes with statistics across the examples of a "
+            "batch, so per-example gradients do not exist. Normalize over the feature axes "
+            "only (axis=-1, the default).")
+
+
+def _refuse_batch_axis_call(layer, call: LayerCall) -> None:
+    inputs = call.args[0] if call.args else None
+    shape = getattr(inputs, "shape", None)
+    _refuse_batch_axis(layer, None if shape is None else len(shape))
+
+
+def refuse_statistics_over_the_batch(model) -> None:
+    """Refuse ``model`` if one of its LayerNormalization, RMSNormalization or
+    GroupNormalization layers normalizes over the batch axis (see :func:`_refuse_batch_axis`).
+    Static: reads each layer's ``axis`` and built input rank (``get_build_config``), so it runs
+    before any call, where a one-example call of such a layer would end in a shape error."""
+    for layer in sublayers(model, include_self=True):
+        if isinstance(layer, _PER_EXAMPLE_NORMALIZATIONS):
+            shape = (layer.get_build_config() or {}).get("input_shape") if layer.built else None
+            rank = len(shape) if isinstance(shape, (list, tuple)) else None
+            _refuse_batch_axis(layer, rank)
+
+
+register(*_PER_EXAMPLE_NORMALIZATIONS, check_call=_refuse_batch_axis_call)(normalization_rule)
 register(keras.layers.BatchNormalization, check_call=_refuse_training_mode)(normalization_rule)
