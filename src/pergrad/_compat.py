@@ -51,6 +51,18 @@ def compiled_loss(model: Any, x: Any, y: Any, y_pred: Any, sample_weight: Any) -
                                training=True)
 
 
+def keras_mask(tensor: Any) -> Any:
+    """The Keras mask a layer or loss attached to ``tensor`` (``Embedding(mask_zero=True)``'s
+    padding, ``SparseCategoricalCrossentropy(ignore_class=...)``'s ignored labels), or ``None``
+    (``keras.src.backend.common.masking.get_keras_mask``; the ``_keras_mask`` attribute before
+    Keras 3.6)."""
+    try:
+        from keras.src.backend.common.masking import get_keras_mask
+    except ImportError:  # Keras < 3.6
+        return getattr(tensor, "_keras_mask", None)
+    return get_keras_mask(tensor)
+
+
 def loss_tracker(model: Any) -> Any:
     """The ``Mean`` metric behind the ``loss`` entry of Keras's logs (``Model._loss_tracker``)."""
     return model._loss_tracker

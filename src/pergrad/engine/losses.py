@@ -8,6 +8,7 @@ from typing import Any
 import keras
 from keras import ops
 
+from pergrad._compat import keras_mask
 from pergrad.backend.ops import add_n, dtype_of, is_floating, rank
 
 PerExampleLoss = Callable[[Any, Any], Any]
@@ -23,6 +24,34 @@ def scalar_loss_error(name: str) -> ValueError:
         "the function without the final reduction, e.g. `lambda y, p: "
         "keras.ops.mean(keras.ops.square(y - p), axis=-1)` instead of `... keras.ops.mean(...)` "
         "over everything.")
+
+
+def _combined_mask(padding: Any, ignored: Any, values: Any) -> Any:
+    """The valid entries of ``values``: the predictions' padding mask and the loss's own mask
+    (ignored labels), both where both exist; ``None`` when neither does, or when ``values``
+    has fewer axes than the mask (a loss that already reduced over the masked positions, as
+    the per-example losses ``PerExampleModel`` hands the engine)."""
+    masks = [ops.cast(m, "bool") for m in (padding, ignored)
+             if m is not None and rank(m) <= rank(values)]
+    if not masks:
+        return None
+    mask = masks[0] if len(masks) == 1 else ops.logical_and(masks[0], masks[1])
+    while rank(mask) < rank(values):
+        mask = ops.expand_dims(mask, -1)
+    return ops.logical_and(mask, ops.ones_like(values, "bool"))
+
+
+def _masked_per_example(values: Any, mask: Any, average: bool) -> Any:
+    """``l_i = sum_t m_it v_it``, divided by ``sum_t m_it`` when ``average`` (an example with no
+    valid entry has loss 0): every example's loss over its own valid entries."""
+    weights = ops.cast(mask, values.dtype)
+    values = ops.where(mask, values, ops.zeros_like(values))  # padding may hold inf or NaN
+    axes = list(range(1, rank(values)))
+    total = ops.sum(values * weights, axis=axes) if axes else values * weights
+    if not average:
+        return total
+    count = ops.sum(weights, axis=axes) if axes else weights
+    return ops.divide_no_nan(total, count)
 
 
 def leaf_loss(loss: Any, like_compile: bool = False) -> PerExampleLoss:
@@ -42,6 +71,14 @@ def leaf_loss(loss: Any, like_compile: bool = False) -> PerExampleLoss:
 
     ``loss``: a Keras loss object, a loss name or a callable ``(y_true, y_pred)``; called with
     ``y_pred`` alone when ``y_true`` is ``None``. A scalar result is an error.
+
+    Masks (``Embedding(mask_zero=True)`` padding carried by ``y_pred``, labels ignored by
+    ``SparseCategoricalCrossentropy(ignore_class=...)``) leave out the invalid entries:
+    ``l_i = sum_t m_it v_it`` (summed) or ``sum_t m_it v_it / sum_t m_it`` (averaged, 0 for an
+    example with no valid entry). Each example's loss is then its own: Keras's compiled loss
+    instead divides by the valid entries of the whole batch, a batch statistic that would let
+    one example change another's gradient, so with masks ``mean_i l_i`` equals Keras's loss only
+    when every example has the same number of valid entries.
     """
     if isinstance(loss, str):
         if like_compile and loss.lower() in ("crossentropy", "ce"):
@@ -63,6 +100,7 @@ def leaf_loss(loss: Any, like_compile: bool = False) -> PerExampleLoss:
     dtype = keras.backend.standardize_dtype(dtype or keras.config.floatx())
 
     def per_example(y_true, y_pred):
+        padding = keras_mask(y_pred)  # read before a cast drops it
         if like_compile:
             y_pred = keras.tree.map_structure(lambda t: ops.cast(t, dtype), y_pred)
             if y_true is not None:
@@ -72,7 +110,10 @@ def leaf_loss(loss: Any, like_compile: bool = False) -> PerExampleLoss:
         values = ops.convert_to_tensor(fn(y_pred) if y_true is None else fn(y_true, y_pred))
         if rank(values) == 0:
             raise scalar_loss_error(name)
-        if rank(values) > 1:
+        mask = _combined_mask(padding, keras_mask(values), values)
+        if mask is not None:
+            values = _masked_per_example(values, mask, like_compile)
+        elif rank(values) > 1:
             axes = list(range(1, rank(values)))
             values = ops.mean(values, axis=axes) if like_compile else ops.sum(values, axis=axes)
         if not is_floating(values.dtype) or dtype_of(values) in ("float16", "bfloat16"):

@@ -565,12 +565,13 @@ class PerExampleModel(keras.Model):
             sw = tf.convert_to_tensor(sample_weight)
             weight = tf.reshape(tf.cast(weight, sw.dtype), [-1] + [1] * (sw.shape.rank - 1))
             weight = _zero_rows(sw, keep) * weight
+        counted = tf.reduce_any(tf.reshape(tf.not_equal(weight, 0), [batch, -1]), axis=1)
+        weight = step.loss_weights(weight, y_pred)
         loss = compiled_loss(self, x, y, y_pred, weight)
         # Keras scales the per-replica loss by 1 / replicas; its tracker undoes that.
         loss_tracker(self).update_state(loss * tf.cast(replicas, loss.dtype),
                                         sample_weight=batch)
         self.dropped_examples.update_state(dropped)
-        counted = tf.reduce_any(tf.reshape(tf.not_equal(weight, 0), [batch, -1]), axis=1)
         return self.compute_metrics(x, _keep_rows(y, counted), _keep_rows(y_pred, counted),
                                     sample_weight=_keep_rows(weight, counted))
 

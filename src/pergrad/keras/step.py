@@ -136,10 +136,29 @@ def report(model, x, y, result, sample_weight, dropped) -> dict:
         sw = ops.convert_to_tensor(sample_weight)
         weight = ops.reshape(ops.cast(weight, sw.dtype), [-1] + [1] * (len(sw.shape) - 1))
         weight = _zero_rows(sw, keep) * weight
+    weight = loss_weights(weight, y_pred)
     loss = compiled_loss(model, x, y, y_pred, weight)
     loss_tracker(model).update_state(loss, sample_weight=batch)
     model.dropped_examples.update_state(dropped)
     return model.compute_metrics(x, y, y_pred, sample_weight=weight)
+
+
+def loss_weights(weight: Any, predictions: Any) -> Any:
+    """One weight per example, ``(B,)``, shaped for Keras's compiled loss and metrics: for an
+    output of rank above 2 (a sequence ``(B, T, F)``) broadcast over the axes of its unreduced
+    loss (the output's shape less its last axis, ``(B, T)``), which Keras cannot weight by a
+    ``(B,)`` vector; unchanged where every output has rank 1 or 2."""
+    leaves = [p for p in keras.tree.flatten(predictions) if p is not None]
+    if all(len(p.shape) <= 2 for p in leaves):
+        return weight
+
+    def expand(p):
+        if p is None or len(p.shape) <= 2:
+            return weight
+        column = ops.reshape(weight, [-1] + [1] * (len(p.shape) - 2))
+        return column * ops.ones_like(p[..., 0], dtype=weight.dtype)
+
+    return keras.tree.map_structure(expand, predictions)
 
 
 def _rows_finite(structure, batch) -> Any:
