@@ -42,8 +42,8 @@ def matmul_ta(a: Any, b: Any) -> Any:
     """``a^T b`` over the last two axes, batched over the leading ones.
 
     TensorFlow multiplies fastest with the transpose folded into the kernel
-    (``matmul(transpose_a=True)``: 0.6 ms against 1.8 ms for a transposed copy, the benchmark
-    CNN's first layer); XLA folds a transpose into the dot on its own."""
+    (``matmul(transpose_a=True)``) rather than a transposed copy; XLA folds a transpose into the
+    dot on its own. Measured: docs/benchmarks.md, "Route measurements"."""
     if is_tensorflow():
         import tensorflow as tf
         return tf.matmul(a, b, transpose_a=True)
@@ -55,10 +55,10 @@ def outer_products(a: Any, d: Any) -> Any:
     example and group (a one-position layer's per-example kernel gradients, ``B I G O``
     numbers written once: memory-bound).
 
-    TensorFlow's broadcasting ``Mul`` writes them at about half the speed of memory (the MLP's
-    784 x 512 layer, batch 256, float32: 36 ms); one small XLA computation writes the same
-    numbers in 18 ms (float64: 60 against 34 ms), so on TensorFlow the product is a nested
-    ``tf.function(jit_compile=True)``, unless the graph is compiled by XLA already."""
+    TensorFlow's broadcasting ``Mul`` writes them at about half the speed of memory; one small
+    XLA computation writes the same numbers in about half the time (docs/benchmarks.md, "Route
+    measurements"), so on TensorFlow the product is a nested ``tf.function(jit_compile=True)``,
+    unless the graph is compiled by XLA already."""
     if is_tensorflow() and _nested_xla_wanted():
         return _xla_outer_products()(a, d)
     return broadcast_outer_products(a, d)
@@ -81,12 +81,9 @@ def segment_sum(values: Any, segments: Any, num_segments: Any) -> Any:
     zeros, as an embedding's per-example tables and its weighted sums (clipped and DP sums) are.
 
     On TensorFlow one small XLA computation (a nested ``tf.function(jit_compile=True)``, unless
-    the graph is compiled by XLA already) adds the rows: the transformer's per-example tables
-    (16,384 rows of 128 into 256,000) 8.4 against 15.5 ms for ``UnsortedSegmentSum``, the text
-    CNN's (32,768 rows of 64 into 2.56M) 31 against 42 ms; the text CNN's clipped sum (the
-    same rows into its 10,000-row table) 1.44x -> 1.36x its batch gradient. On PyTorch
-    ``index_add_`` adds them in place: Keras's ``segment_sum`` copies all the rows again (the
-    text CNN's: 187 against 481 ms)."""
+    the graph is compiled by XLA already) adds the rows, faster than ``UnsortedSegmentSum``. On
+    PyTorch ``index_add_`` adds them in place: Keras's ``segment_sum`` copies all the rows
+    again. Measured: docs/benchmarks.md, "Route measurements"."""
     if is_tensorflow() and _nested_xla_wanted():
         return _xla_segment_sum()(values, segments, num_segments)
     if is_torch():
@@ -132,11 +129,11 @@ def row_squared_norms(t: Any) -> Any:
     """``(B,)``: ``||t[i]||^2``, the sum of squares over every axis but the first.
 
     TensorFlow's ``Square`` then ``Sum`` writes a ``t``-sized tensor and reads it again; one
-    ``EuclideanNorm`` reduction, squared, reads ``t`` once (float32, this 2-core CPU:
-    ``(256, 128, 512)`` 2.0 against 7.0 ms, ``(256, 32, 256)`` 0.7 against 1.2 ms; the result
-    differs by about one ulp). Its gradient is set to ``2 t`` (the square of a square root has
-    none at a zero row). XLA has no ``EuclideanNorm`` kernel and fuses the two ops itself, so
-    under ``jit_compile=True``, on other backends and for other dtypes the squares are summed."""
+    ``EuclideanNorm`` reduction, squared, reads ``t`` once (faster: docs/benchmarks.md, "Route
+    measurements"; the result differs by about one ulp). Its gradient is set to ``2 t`` (the
+    square of a square root has none at a zero row). XLA has no ``EuclideanNorm`` kernel and
+    fuses the two ops itself, so under ``jit_compile=True``, on other backends and for other
+    dtypes the squares are summed."""
     flat = ops.reshape(t, [batch_size(t), -1])
     if is_tensorflow() and dtype_of(t) in ("float32", "float64"):
         from pergrad._compat import tracing_for_xla

@@ -16,7 +16,7 @@ model: ``PerExampleModel(dp_mean)``, and, when ``jax-privacy`` is installed, JAX
 ``vmap`` over the batch; ``microbatch_size=32``: ``vmap`` over 32 examples at a time, in
 sequence). DP noise keys are 64-bit, so the script turns on ``jax_enable_x64`` first.
 
-    KERAS_BACKEND=jax python benchmarks/bench_jax.py            # the table in docs/backends.md
+    KERAS_BACKEND=jax python benchmarks/bench_jax.py            # docs/benchmarks.md, JAX
     KERAS_BACKEND=jax python benchmarks/bench_jax.py --quick    # two models, batch 64
 """
 

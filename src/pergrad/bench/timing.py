@@ -54,8 +54,8 @@ def _to_host(result) -> None:
     allows (TensorFlow and PyTorch CPU tensors; JAX arrays wait for their computation).
 
     Not ``tensor.numpy()``: on TensorFlow that copies, and a timed call that returns per-example
-    gradients (686 MB for the MLP at batch 256) then measured mostly the copy: ``bench_engine``
-    timed the MLP's ``gradients`` at 195 ms where the computation takes 33 ms."""
+    gradients (686 MB for the MLP at batch 256) then measured mostly the copy (docs/benchmarks.md,
+    "Route measurements")."""
     import keras
     import numpy as np
 

@@ -145,7 +145,8 @@ class PerExampleResult:
 
         The plain sum is built outside the conditional, which only chooses it or the masked
         sum: inside a ``lax.cond`` branch XLA cannot reuse the per-example matrices the norms
-        built outside it (the JAX ResNet's clipped sum: 0.85x the batch gradient against 1.2x). A masked form reads only what its ``masked`` method needs
+        built outside it (measured: docs/benchmarks.md, "Route measurements"). A masked form
+        reads only what its ``masked`` method needs
         (``Factored.remake``), or a compiled graph would compute those inputs (patches) at every
         step."""
         plain = self.weighted_sum(coefficients)

@@ -46,9 +46,9 @@ ZERO = "zero"  # tf.UnconnectedGradients.ZERO, by value: reading the enum would 
 MODES = ("auto", "rev", "fwd")
 
 
-# A vectorized JVP costs about 1.3x-2x a vectorized VJP here (TF 2.21, 2-core CPU, measured
-# on MLPs and small CNNs with batched Jacobians of 32-128 inputs and outputs per example):
-# forward mode wins only when it needs clearly fewer products.
+# The cost of a vectorized JVP relative to a vectorized VJP, as measured on MLPs and small
+# CNNs (docs/jacobian.md, docs/benchmarks.md "Route measurements"): forward mode wins only when
+# it needs clearly fewer products.
 FWD_PRODUCT_COST = 1.5
 
 

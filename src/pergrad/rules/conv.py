@@ -80,9 +80,9 @@ def pad_input(x, kernel_size, strides, dilation, padding: str) -> tuple:
 
 def native_padding(x, kernel_size, strides, dilation, padding: str) -> tuple:
     """``(input, padding)`` for a TensorFlow kernel: ``x`` itself with ``"same"`` or ``"valid"``,
-    which TensorFlow's kernels pad exactly as :func:`pad_input` does (a separate ``Pad`` op cost
-    0.6 ms of the benchmark CNN's 7 ms ``mean()`` step); elsewhere, and for ``"causal"``, the
-    padded input and ``"valid"``."""
+    which TensorFlow's kernels pad exactly as :func:`pad_input` does (a separate ``Pad`` op
+    costs a pass over the input); elsewhere, and for ``"causal"``, the padded input and
+    ``"valid"``."""
     if is_tensorflow() and padding in ("same", "valid"):
         return x, padding
     return pad_input(x, kernel_size, strides, dilation, padding)[0], "valid"
@@ -94,9 +94,8 @@ def extract_patches(x, kernel_size, strides, dilation, padding: str):
     One one-hot convolution (or TensorFlow's ``extract_patches``) for 1D and 2D inputs;
     strided slices (one per kernel offset) for 3D, and on PyTorch for patches wider than
     ``_IDENTITY_CONV_MAX_WIDTH`` (``K C``): its one-hot convolution multiplies by every one of
-    the ``K C x K C`` weights, which the slices do not (torch 2.13, CPU, float32: a MobileNet
-    depthwise layer's 16x16x96 input, k 3, batch 32, 65.6 ms against 8.5 ms; 13x13x16, k 4,
-    s 2, batch 256, 5.7 against 0.6 ms; 28x28x1, k 8, s 2, 3.1 against 4.5 ms, kept).
+    the ``K C x K C`` weights, which the slices do not (measured: docs/benchmarks.md, "Route
+    measurements").
     """
     n_spatial = rank(x) - 2
     if n_spatial <= 2 and not patches_by_slices(math.prod(kernel_size) * x.shape[-1]):
@@ -132,8 +131,8 @@ def _image_patches(x, kernel_size, strides, dilation, padding: str = "valid"):
     width = kernel_size[0] * kernel_size[1] * channels
     if width > _IDENTITY_CONV_MAX_WIDTH and is_tensorflow():
         # Many input channels on TensorFlow: its extract_patches kernel beats the one-hot
-        # convolution there (the one-hot one wins below this width: 2.6 vs 7.1 ms for the
-        # 8x8x1 kernel of the benchmark CNN). XLA turns the one-hot convolution into a gather.
+        # convolution there (the one-hot one wins below this width, as for the 8x8x1 kernel of
+        # the benchmark CNN). XLA turns the one-hot convolution into a gather.
         import tensorflow as tf
         patches = tf.image.extract_patches(x, [1, *kernel_size, 1], [1, *strides, 1],
                                            [1, *dilation, 1], padding.upper())
@@ -257,8 +256,8 @@ def _folded_kernel_form(layer, x, d) -> Factored:
     (:func:`_folded_products`), kept as blocks; the form's layout is ``(a..., r..., c, 1, o)``,
     which ``perm`` interleaves into the kernel's ``(a r..., c, o)``. Patches are not built:
     ``a`` (the folded input's patches) is read only by routes a compiled step does not take.
-    The benchmark CNN's second layer (13x13x16, kernel 4, strides 2, batch 256), products and
-    norms: 3.5 ms against 5.3 ms through ``extract_patches``."""
+    Faster than ``extract_patches`` on the benchmark CNN's second layer (docs/benchmarks.md,
+    "Route measurements")."""
     strides, c_in, c_out = tuple(layer.strides), x.shape[-1], layer.filters
     z = _folded_input(layer, x)
     blocks = tuple(k // st for k, st in zip(layer.kernel_size, strides, strict=True))
@@ -325,16 +324,16 @@ def _shifted_products(layer, x, d):
         M_i[o, (K, c)] = sum_t D_i[t, o] X_i[t + K dilation, c]
 
     Slices of the padded input are read in place of patches, which are ``K`` times the input's
-    size (the ResNet's 32x32x32 layer, batch 128: 21 ms against 50 ms on TensorFlow, 92 ms
-    against 190 ms on JAX). The patches' order of ``(K, c)`` is kept.
+    size. The patches' order of ``(K, c)`` is kept.
 
     Except on JAX the result is the list of the ``K`` blocks ``(B, 1, O, C)``, one per offset
-    (see :class:`pergrad.rules.forms.Factored`): stacking them wrote and read the whole
-    ``B x P`` tensor once more, 5.5 of the 20 ms that the text CNN's Conv1D norms took.
+    (see :class:`pergrad.rules.forms.Factored`): stacking them would write and read the whole
+    ``B x P`` tensor once more.
 
     On JAX the examples go in chunks of about :data:`pergrad.rules.cost.CHUNK_BYTES` of
     patches, and each chunk gathers its patches from the slices and multiplies once
-    (:func:`_chunk_patch_products`): 32 against 76-89 ms on the same ResNet layer."""
+    (:func:`_chunk_patch_products`). Each choice was timed: docs/benchmarks.md, "Route
+    measurements"."""
     if is_jax():
         kernel = math.prod(layer.kernel_size)
         per_example = positions(d.shape[1:-1]) * kernel * x.shape[-1] * x.dtype.itemsize

@@ -12,11 +12,13 @@ Multiply-adds per example ``i``, for ``B`` examples:
   (I + O)`` per example (Li et al. 2022, "mixed ghost clipping": Bu et al. 2022).
 
 The materialized product is one batched GEMM, which runs about ``GEMM_ADVANTAGE`` times faster
-per multiply-add than the two small Gram einsums (measured on the benchmark CNN's second layer:
-5.1 ms materialized against 5.9 ms ghost at ``T I O = 0.9 T^2 (I + O)``), so the ghost route is
-taken only when it needs fewer than ``1 / GEMM_ADVANTAGE`` of the materialized multiply-adds.
-An unknown ``T`` (a dynamic sequence length) materializes: its cost is bounded by the
-variable's size, the ghost route's is not.
+per multiply-add than the two small Gram einsums, so the ghost route is taken only when it needs
+fewer than ``1 / GEMM_ADVANTAGE`` of the materialized multiply-adds. An unknown ``T`` (a
+dynamic sequence length) materializes: its cost is bounded by the variable's size, the ghost
+route's is not.
+
+Every threshold below was set by timing the routes against each other on the benchmark models'
+layers; the numbers are in docs/benchmarks.md, "Route measurements".
 """
 
 from __future__ import annotations
@@ -27,19 +29,11 @@ GEMM_ADVANTAGE = 2.0
 
 #: An embedding table's norms (``Rows``) on JAX: up to this many positions per example, the
 #: pairwise form ``sum_{t,s} [ids_t = ids_s] (d_t . d_s)`` (``B T^2 (O + 1)`` work, ``B T^2``
-#: floats) beats sorting each example's ids. Measured (jit, CPU, ``O = 16``): 0.17 against
-#: 0.45 ms at ``B = 256, T = 16``; 0.76 against 1.95 ms at ``T = 64``; 3.1 against 4.2 ms at
-#: ``T = 128``; 17.6 against 4.7 ms at ``B = 128, T = 256``. On TensorFlow ``tf.unique`` ties
-#: with it at ``T = 64`` (1.40 against 1.38 ms) and is kept. (Those were measured with the Gram of
-#: the rows; summing the rows that share an id first, as now, is faster still: 0.61 against
-#: 0.81 ms at ``T = 64``, 2.5 against 5.8 ms at ``T = 128, O = 64``, where the sort took 7.1.)
+#: floats) beats sorting each example's ids; beyond it the sort wins.
 ROWS_PAIRWISE_MAX_POSITIONS = 128
 
 #: The same on TensorFlow, where the alternative is ``tf.unique`` over the (example, id) keys
-#: and two segment sums. Measured (float32, ms, unique against pairwise, three alternating
-#: rounds): ``B = 128, T = 64, O = 64`` (the GRU's) 1.55-1.94 against 1.40-1.43;
-#: ``B = 256, T = 64, O = 16`` (the Embedding bag's) 1.58-1.86 against 1.36-1.51;
-#: ``B = 256, T = 128, O = 64`` (the text CNN's) 4.1-4.9 against 4.6-5.8, where unique stays.
+#: and two segment sums, which wins at the text CNN's 128 ids per example.
 ROWS_PAIRWISE_MAX_POSITIONS_TENSORFLOW = 64
 
 
@@ -57,10 +51,7 @@ def rows_pairwise_wins(positions: int | None, tensorflow: bool) -> bool:
 #: from the per-example matrices ``M_i`` is read from them (``B I O`` reads) instead of
 #: recomputed (``B T I O`` multiply-adds, or the native filter gradient) while they hold at most
 #: this many elements: 128 MiB of float32 per layer kept alive between the norms and the sum.
-#: Measured (TensorFlow, CPU) clipped sum against the batch gradient, recomputed -> read:
-#: CNN (batch 256) 1.78x -> 1.59x, text CNN 2.12x -> 1.76x, ResNet (128) 2.09x -> 1.90x,
-#: transformer (128) 1.32x -> 1.13x, MobileNet (128) 1.39x -> 1.25x; on JAX CNN 1.54x -> 1.31x,
-#: ResNet 1.94x -> 1.70x.
+#: Reading them was faster on every benchmark model, on TensorFlow and JAX.
 SUM_FROM_MATRICES_MAX_ELEMENTS = 2**25
 
 
@@ -72,24 +63,15 @@ def sums_from_matrices(elements: int) -> bool:
 
 #: A convolution's per-example kernel gradients are built from shifted slices of its input
 #: (one batched product per kernel offset) instead of from patches when its strides are 1 and
-#: it has at least this many input channels, or a 1x1 kernel. Measured on TensorFlow (CPU,
-#: per-example matrices and norms, ms, shifted against patches): 32x32x32 -> 32, batch 128:
-#: 21 against 52; 16x16x64 -> 64: 16 against 29; 8x8x128 -> 128: 23 against 25; Conv1D
-#: 128x64 -> 128, k 5, batch 256: 20 against 25. They lose with few channels (28x28x1, k 8:
-#: 25 against 7) and with strides 2 (32x32x32 -> 64: 54 against 14; strided slices are slow).
+#: it has at least this many input channels, or a 1x1 kernel. They lose with few channels and
+#: with strides 2 (strided slices are slow).
 SHIFTED_MIN_CHANNELS = 16
 
 
 #: On JAX the per-example kernel gradients of a stride-1 convolution are computed over chunks
 #: of examples whose patches hold about this many bytes (``lax.map``; each chunk gathers its own
-#: patches from shifted slices and multiplies once), so that a chunk stays in cache. XLA's CPU
-#: batched products over the whole batch ran 1.3-2.7x slower. Measured, ms, whole batch (one
-#: product per offset) against chunks: Conv1D 128x64 -> 128, k 5, batch 256 (155 KiB of patches
-#: per example): 65 against 32-35 (chunks of 8-64); 32x32x32 -> 32, k 3, batch 128 (1152 KiB):
-#: 76-89 against 32-35 (chunks of 2-8); 16x16x64 -> 64 (576 KiB): 55-62 against 29-31 (2-8);
-#: 8x8x128 -> 128 (288 KiB): 52-70 against 41-50 (4-32); 8x8x64 -> 64 (144 KiB): 10 against
-#: 8-10. Without the chunks, the same patches in one product lost to the shifted products in
-#: 2D (110-120 against 76-89 ms on the 32x32x32 layer).
+#: patches from shifted slices and multiplies once), so that a chunk stays in cache: XLA's CPU
+#: batched products over the whole batch ran slower.
 CHUNK_BYTES = 4 * 2**20
 
 
@@ -103,10 +85,8 @@ def folded_products_win(kernel_size, strides, dilation, channels: int) -> bool:
     by the strides (space to depth: stride 1 over ``s^n C`` channels, one batched product per
     offset of the ``k / s`` kernel) rather than from patches (TensorFlow): strides above 1,
     every kernel size a multiple of its stride, no dilation, and at least
-    :data:`SHIFTED_MIN_CHANNELS` folded channels. Measured (CPU, products and norms, ms,
-    folded against patches, batch 256): 13x13x16, kernel 4, strides 2 (the benchmark CNN's
-    second layer, 64 folded channels): 3.5 against 5.3; 28x28x1, kernel 8, strides 2 (its first,
-    4 folded channels, 16 products): 7.9 against 5.1, so it keeps the patches."""
+    :data:`SHIFTED_MIN_CHANNELS` folded channels (with fewer, as the benchmark CNN's first
+    layer, the patches won)."""
     if all(s == 1 for s in strides) or any(r != 1 for r in dilation):
         return False
     if any(k % s for k, s in zip(kernel_size, strides, strict=True)):
@@ -118,24 +98,13 @@ def folded_products_win(kernel_size, strides, dilation, channels: int) -> bool:
 #: :data:`SHIFTED_MIN_CHANNELS` channels, strided ones the folded route does not take) computes
 #: its per-example kernel gradients with one grouped filter gradient instead (the batch folded
 #: into the channels, one group per example: oneDNN's kernel), when its patches are at least
-#: this wide (``K C``). Measured (TensorFlow 2.21, float32, ms, products + norms + weighted sum,
-#: patches against grouped, batch 256 at 28x28 unless said): ``K C`` 9-32 lost (28x28x1 -> 32,
-#: k 3: 6.3 against 12.8; k 5 (25): 10.8 against 16.1; 32x32x3 -> 32, k 3, batch 128 (27):
-#: 7.0 against 10.6; 28x28x2, k 4, s 2 (32): 3.3 against 4.0); ``K C`` >= 36 won: 28x28x4, k 3
-#: (36) 11.8 against 8.9; 28x28x1, k 6 (36) 11.5 against 9.1; the benchmark CNN's first layer
-#: 28x28x1 -> 16, k 8, s 2 (64) 6.4 against 5.6; 32x32x3, k 5 (75) 21.0 against 15.4;
-#: 28x28x8 -> 32, k 3 (72) 29.6 against 23.2; 28x28x2, k 8, s 2 (128) 18.1 against 7.7.
-#: The folded products were faster than it (13x13x16 -> 32, k 4, s 2: 2.1 against 4.3).
+#: this wide (``K C``): below that width the patches won, and the folded products beat it
+#: where they apply.
 GROUPED_MIN_PATCH_WIDTH = 36
 
-#: It also replaces the shifted products (stride 1): 32x32x16 -> 32, k 3, batch 128: 20.6
-#: against 14.6; 28x28x16 -> 16, k 5: 57.9 against 29.9; 14x14x16 -> 32, k 3, batch 128: 2.9
-#: against 2.7. But from 32 input channels on, and with 1x1 kernels, the other routes tied or
-#: won, so it is never taken there: shifted, 32x32x32 -> 32: 36.5 against 34.9; 16x16x32 -> 64:
-#: 20.6 against 23.7; 16x16x64 -> 64: 24.8 against 26.7; 8x8x128 -> 128: 32 against 169;
-#: 16x16x96 -> 96, k 1: 6.9 against 18.9; patches (the ResNet's strided layers, batch 128):
-#: 32x32x32 -> 64, k 3, s 2: 17.6 against 19.4; 16x16x64 -> 128, k 3, s 2: 14.4 against 37.8;
-#: 16x16x64 -> 128, k 1, s 2: 2.5 against 4.3.
+#: It also replaces the shifted products (stride 1) under this many input channels. From 32
+#: input channels on, and with 1x1 kernels, the other routes tied or won, so it is never taken
+#: there.
 GROUPED_MAX_CHANNELS = 31
 
 
@@ -155,25 +124,12 @@ def grouped_filter_gradients_win(kernel_size, dilation, channels: int,
 
 #: On PyTorch the grouped filter gradient (``torch.nn.grad.conv2d_weight`` with ``groups=B``)
 #: replaces the shifted products and patches at least this wide (``K C``) over at most
-#: :data:`TORCH_GROUPED_MAX_CHANNELS` input channels, for 2-D kernels larger than 1x1.
-#: Measured with the patches deferred (built only where a route reads them), torch 2.13, CPU,
-#: float32, ms, products + norms + weighted sum, the rule's route against grouped
-#: (``KERAS_BACKEND=torch python benchmarks/ab_conv_routes.py --route-off``, 3 December
-#: 2026): shifted 28x28x16 -> 16, k 5 (batch 256): 179 against 42; 32x32x16 -> 32, k 3: 27.9
-#: against 16.2; 32x32x32 -> 32: 49.0 against 48.7; 16x16x64 -> 64: 35.4 against 41.9 (kept);
-#: 8x8x128 -> 128: 71 against 265 (kept); patches 28x28x1 -> 16, k 8, s 2 (64 wide): 5.1
-#: against 4.2; 28x28x8 -> 32, k 3 (72): 52 against 31; 32x32x32 -> 64, k 3, s 2: 65 against
-#: 27; 16x16x64 -> 128, k 3, s 2: 73 against 131 (kept); 28x28x4 -> 16, k 3 (36): 11.8 against
-#: 14.7 (kept). The benchmark CNN's second layer (13x13x16, k 4, s 2) measured 9.6-10.8
-#: against 11.1-13.0 alone but 2.28x against 2.03x of the batch gradient in the whole clipped
-#: sum (its recorded input is a strided view there), so it takes the route. In 1-D it lost: the
-#: text CNN's Conv1D (128x64 -> 128, k 5, batch 256), whole clipped sum 2.69x its batch
-#: gradient against 1.98x over the shifted products (``benchmarks/ab_routes.py --switch
-#: torch_grouped``), so 1-D layers keep their routes. Once patches wider than 128 were
-#: gathered by strided slices (``pergrad.rules.conv.patches_by_slices``), they beat the
-#: grouped route there: the CNN's second layer 6.0 against 12.3 ms, 32x32x32 -> 64, k 3, s 2
-#: 32.4 against 36.5; the whole CNN's clipped sum 1.80x with only its first layer grouped
-#: against 1.91x with both. So patches wider than that keep their route.
+#: :data:`TORCH_GROUPED_MAX_CHANNELS` input channels, for 2-D kernels larger than 1x1
+#: (measured with the patches deferred, built only where a route reads them:
+#: ``KERAS_BACKEND=torch python benchmarks/ab_conv_routes.py --route-off``). In 1-D it lost, so
+#: 1-D layers keep their routes. Patches wider than :data:`TORCH_GROUPED_MAX_PATCH_WIDTH` are
+#: gathered by strided slices (``pergrad.rules.conv.patches_by_slices``), which beat the
+#: grouped route there, so they keep their route.
 TORCH_GROUPED_MIN_PATCH_WIDTH = 64
 TORCH_GROUPED_MAX_PATCH_WIDTH = 128
 TORCH_GROUPED_MAX_CHANNELS = 32
@@ -219,13 +175,9 @@ def shifted_ghost_wins(input_positions: int | None, output_positions: int | None
     it needs fewer multiply-adds: on both backends the Gram products ran at least as fast per
     multiply-add as the per-example products. Norms that a weighted sum follows (clipping)
     keep the products, which the sum reads: recomputing the sum (the filter gradient) cost
-    more than the ghost route saved (TensorFlow, text CNN clipped sum 1.87x against 1.67x).
-    On JAX a 1-D convolution whose sum is XLA's filter gradient (:func:`xla_filter_gradient_wins`)
-    takes the ghost norms before its sums too.
-    Measured, the text CNN's Conv1D (128 x 64 -> 124 x 128, k 5, batch 256) at 0.6 of the
-    products' multiply-adds: norms alone 12.7 against 36.5 ms on JAX (chunks of 8 examples),
-    15.5 against 20.4 on TensorFlow; the whole model's norms 1.16x -> 0.99x (JAX) and 1.40x
-    -> 1.30x (TensorFlow) the batch gradient."""
+    more than the ghost route saved on TensorFlow. On JAX a 1-D convolution whose sum is XLA's
+    filter gradient (:func:`xla_filter_gradient_wins`) takes the ghost norms before its sums
+    too. Measured on the text CNN's Conv1D: docs/benchmarks.md, "Route measurements"."""
     if input_positions is None or output_positions is None:
         return False
     return shifted_ghost_cost(input_positions, output_positions, channels, outputs,
@@ -235,13 +187,8 @@ def shifted_ghost_wins(input_positions: int | None, output_positions: int | None
 #: On JAX the batch kernel gradient ``sum_i P_i^T D_i`` of a one-dimensional stride-1
 #: convolution (``summed``) is XLA's own filter gradient from this many multiply-adds
 #: (``B T K C O``) up; below, and for every 2-D and 3-D convolution, one GEMM per kernel offset
-#: over the shifted input slices (:func:`pergrad.rules.conv._shifted_sum`). Measured (jit,
-#: CPU, ms, XLA's filter gradient against the GEMMs, 2 December 2026): Conv1D 128x64 -> 128,
-#: k 5, batch 256 (the text CNN's, 1.3e9): 20-28 against 44-56; 256x32 -> 64, k 7, dilation 2,
-#: batch 128: 9 against 17-19; 64x128 -> 128, k 3, batch 128: 8.1-8.7 against 9.1-9.4; 100x16
-#: -> 32, k 3, batch 256 (3.9e7): 1.5 against 1.0. In 2-D it lost everywhere: the ResNet's
-#: 32x32x32 -> 32, k 3, batch 128: 580-630 against 110-143; 16x16x64: 185 against 75;
-#: 8x8x128: 67-69 against 27.
+#: over the shifted input slices (:func:`pergrad.rules.conv._shifted_sum`), which won against
+#: XLA's CPU filter gradient in 2-D and in small 1-D layers.
 XLA_FILTER_GRADIENT_MIN_MULTIPLY_ADDS = 10**8
 
 
@@ -251,8 +198,7 @@ def xla_filter_gradient_wins(spatial_rank: int, multiply_adds: int | None) -> bo
 
     Where it is, a clipped sum also takes the shifted ghost norms (:func:`shifted_ghost_wins`)
     and then the filter gradient of the clip-scaled output gradients, instead of building the
-    per-example products that the sum would read: the text CNN's Conv1D, norms and sum,
-    ghost 12.7 + filter 20 ms against products 36.5 + 1 ms."""
+    per-example products that the sum would read."""
     return spatial_rank == 1 and multiply_adds is not None and (
         multiply_adds >= XLA_FILTER_GRADIENT_MIN_MULTIPLY_ADDS)
 

@@ -92,9 +92,9 @@ def _per_example_filter_gradients(layer, kernel, x, d):
     Depthwise channels never mix, so example ``i``'s channel ``c`` becomes channel ``i C + c`` of
     one image of ``B C`` channels (and its outputs ``(i C + c) M + m``); the filter gradient of
     that image, ``(*k, B C, M)``, holds ``dL_i/dW[K, c, m]`` at ``[K, i C + c, m]``. On
-    TensorFlow's CPU kernel this is 2x one batch filter gradient and 35x faster than the patch
-    einsum (MobileNet-sized layer: B 128, 16x16, 96 channels: 2.5 ms against 86 ms). The batch
-    may be dynamic (the filter size is a tensor); the kernel has no dilation on CPU.
+    TensorFlow's CPU kernel this costs about two batch filter gradients, far less than the patch
+    einsum (docs/benchmarks.md, "Route measurements"). The batch may be dynamic (the filter
+    size is a tensor); the kernel has no dilation on CPU.
     """
     import tensorflow as tf
 
@@ -118,9 +118,8 @@ def _torch_per_example_filter_gradients(layer, kernel, x, d):
     ``torch.nn.grad.conv2d_weight`` over the batch folded into the channels, ``B C`` groups
     (channels first: example ``i``'s channel ``c`` is channel ``i C + c``, its outputs
     ``(i C + c) M + m``), so the gradient ``(B C M, 1, *k)`` is already in example, channel,
-    multiplier, offset order. Torch 2.13, CPU, float32, norms and a weighted sum against the
-    einsum over the patches: 16x16x96, k 3, batch 32: 1.7 ms against 24 ms; 32x32x32: 2.5
-    against 36; batch 128 at 16x16x96: 29 against 97."""
+    multiplier, offset order. Faster than the einsum over the patches (docs/benchmarks.md,
+    "Route measurements")."""
     import torch
 
     source, _ = native_padding(x, layer.kernel_size, layer.strides, layer.dilation_rate,

@@ -163,8 +163,8 @@ class Factored:
     def _per_example_blocks(self) -> list:
         """``[(B, G, O, I_k), ...]``: ``sum_t d_t a_t^T`` per example and group, in blocks along
         ``I`` (one block unless ``per_example`` gives several), in the layout TensorFlow
-        multiplies fastest (``matmul(D, A, transpose_a=True)``: 0.6 ms against 1.8 ms for
-        ``A^T D`` with the benchmark CNN's first layer). Built once per form (per graph on
+        multiplies fastest (``matmul(D, A, transpose_a=True)``; docs/benchmarks.md, "Route
+        measurements"). Built once per form (per graph on
         TensorFlow): norms, dots, sums and Gram matrices share them; only ``materialize``
         concatenates them and transposes to the variable's layout."""
         token = trace_token()
@@ -248,9 +248,9 @@ class Factored:
 
     def _products_in_variable_order(self) -> Tensor:
         """``(B, I, G, O)``: ``sum_t a_t d_t^T`` per example and group, multiplied in that
-        order (``A^T D``) where no per-example blocks (``D^T A``) were built to transpose: the
-        transformer's 128 -> 512 Dense over 64 positions, batch 256, 18 ms against 26 ms
-        for ``D^T A`` and its transpose."""
+        order (``A^T D``) where no per-example blocks (``D^T A``) were built to transpose,
+        which is faster than ``D^T A`` and its transpose (docs/benchmarks.md, "Route
+        measurements")."""
         if self.a_shape[2] == 1:
             return matmul_ta(self.a[:, :, 0, :], self.d[:, :, 0, :])[:, :, None, :]
         m = matmul_ta(ops.transpose(self.a, [0, 2, 1, 3]), ops.transpose(self.d, [0, 2, 1, 3]))
@@ -298,7 +298,7 @@ class Factored:
             # The per-example matrices are built for the norms anyway (and shared with them
             # inside one graph): <M_i, V> costs I O per example instead of T I O. One
             # matrix-vector product reads M once; M * V then a sum wrote and read an M-sized
-            # tensor again (TensorFlow, (256, 128, 512): 2.0 against 9.3 ms).
+            # tensor again (docs/benchmarks.md, "Route measurements").
             blocks = self._per_example_blocks()
             v = ops.transpose(v, [1, 2, 0])  # (G, O, I), as the matrices
             return add_n([ops.matmul(ops.reshape(m, [batch_size(m), -1]),
@@ -562,16 +562,15 @@ class Rows:
         """``||g_i||^2 = sum_{t,s} [ids_it = ids_is] (d_it . d_is) = sum_t d_it . s_it`` with
         ``s_it = sum_s [ids_it = ids_is] d_is`` (the rows that share position ``t``'s id), for
         short sequences (:func:`pergrad.rules.cost.rows_pairwise_wins`). Summing the
-        rows first beats the Gram of the rows on XLA's CPU backend: 0.61 against 0.81 ms at
-        ``B = 256, T = 64, O = 16``, 2.5 against 5.8 ms at ``T = 128, O = 64``."""
+        rows first beats the Gram of the rows on XLA's CPU backend (docs/benchmarks.md, "Route
+        measurements")."""
         same = ops.cast(ops.equal(self.ids[:, :, None], self.ids[:, None, :]), dtype_of(self.d))
         shared = ops.einsum("bts,bso->bto", same, self.d)
         return ops.sum(shared * self.d, axis=[1, 2])
 
     def _squared_norms_by_unique(self) -> Tensor:
         """TensorFlow's fast path: one ``tf.unique`` over the (example, row) keys and two
-        segment sums (2.1x the batch gradient for the Embedding bag model against 4.4-5.3x
-        for the sort above, measured in one run)."""
+        segment sums, faster than the sort above (docs/benchmarks.md, "Route measurements")."""
         import tensorflow as tf
         batch = tf.shape(self.ids, out_type=tf.int64)[0]
         example = tf.range(batch, dtype=tf.int64)[:, None]

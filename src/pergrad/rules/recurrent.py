@@ -97,8 +97,8 @@ def _gru_step(cell) -> tuple[Step, int]:
     recurrent_bias = cell.bias.value[1] if cell.use_bias and cell.reset_after else None
     # The kernel's gate columns cut once, outside the loop; inside it the gates are cut with
     # split, whose gradient is one concatenation. Slices had one StridedSliceGrad per gate and
-    # step, each a zero tensor of the whole width, and an AddN of the three (TensorFlow, the
-    # benchmark GRU's norms: 7.6 and 2.8 ms of thread time).
+    # step, each a zero tensor of the whole width, and an AddN of the three (measured:
+    # docs/benchmarks.md, "Route measurements").
     u_gates, u_h = (None, None) if cell.reset_after else ops.split(u, [2 * units], axis=-1)
 
     def step(x, states):
