@@ -261,15 +261,13 @@ def test_detection_benchmark_row_finds_flips_and_runs_cleanlab():
     assert table.count("\n") == 2 and "cleanlab" in table.splitlines()[0]
 
 
-def test_add_out_of_sample_ranks_within_groups():
+def test_add_out_of_sample_adds_confidence_and_keeps_the_default():
     from pergrad.analysis import add_out_of_sample
 
     scores = {"default": np.array([0.1, 0.9, 0.5, 0.7]), "loss": np.arange(4.0)}
     p = np.array([[0.9, 0.1], [0.2, 0.8], [0.6, 0.4], [0.5, 0.5]])
-    labels = np.array([0, 0, 1, 1])
-    out = add_out_of_sample(scores, p, labels, [np.array([0, 1]), np.array([2, 3])])
+    out = add_out_of_sample(scores, p, np.array([0, 0, 1, 1]))
     np.testing.assert_allclose(out["self_confidence"], [0.1, 0.8, 0.6, 0.5])
     np.testing.assert_allclose(out["oos_margin"], [-0.8, 0.6, 0.2, 0.0])
-    # Within {0, 1}: row 1 is last on both, row 0 first; within {2, 3}: the ranks cross.
-    np.testing.assert_allclose(out["default"], [0.0, 1.0, 0.5, 0.5])
-    assert out["loss"] is scores["loss"] and scores["default"][0] == 0.1  # input unchanged
+    assert out["default"] is scores["default"] and out["loss"] is scores["loss"]
+    assert set(scores) == {"default", "loss"}  # the input is not changed

@@ -102,27 +102,18 @@ def confident_learning(probabilities: np.ndarray, labels: np.ndarray) -> LabelIs
 
 
 def add_out_of_sample(scores: dict[str, np.ndarray], probabilities: np.ndarray,
-                      labels: np.ndarray, groups: list[np.ndarray] | None = None
-                      ) -> dict[str, np.ndarray]:
-    """``scores`` (:func:`pergrad.stats.label_error_scores`'s, one per example) with the
-    out-of-sample ``self_confidence`` and ``oos_margin`` added and ``default`` replaced by the
-    rank average of the training-dynamics default and ``self_confidence``, within each of
-    ``groups`` (index arrays; default: all examples as one group). The two kinds of evidence
-    fail differently: dynamics see every example at every step of one run on all the data,
-    out-of-sample confidence is free of memorization (docs/analysis.md has the measurements).
-    """
-    from pergrad.stats.label_errors import rank_average
+                      labels: np.ndarray) -> dict[str, np.ndarray]:
+    """``scores`` (one per example) with the out-of-sample ``self_confidence`` and
+    ``oos_margin`` of ``probabilities`` added; ``default`` is left as it is.
 
+    Ranking by the training dynamics' default found label errors at least as well as ranking
+    by its rank average with ``self_confidence`` in the label-errors benchmark
+    (docs/analysis.md), at the cost of one training run; cross-fitted probabilities serve the
+    suggested labels and the confident-learning count (:func:`confident_learning`).
+    """
     found = confidence_scores(probabilities, labels)
-    combined = dict(scores)
-    combined["self_confidence"] = found["self_confidence"]
-    combined["oos_margin"] = found["oos_margin"]
-    default = np.array(scores["default"], np.float64, copy=True)
-    for group in groups if groups is not None else [np.arange(len(labels))]:
-        if len(group):
-            default[group] = rank_average(default[group], found["self_confidence"][group])
-    combined["default"] = default
-    return combined
+    return {**scores, "self_confidence": found["self_confidence"],
+            "oos_margin": found["oos_margin"]}
 
 
 def fold_assignment(labels: np.ndarray, folds: int, seed: int = 0) -> np.ndarray:

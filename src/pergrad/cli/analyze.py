@@ -435,7 +435,7 @@ def _row_scores(analysis, model, x, labels, train, valid, held_losses, from_logi
     """``({name: (N,)}, names)``: every row's scores. Training rows get the monitor's training
     dynamics; held-out rows the trained model's loss, margin and error norm (the scores that
     need no training history), and a default ranked within the held-out rows; with
-    cross-fitting every row also gets out-of-sample confidence, ranked into the default."""
+    cross-fitting every row also gets out-of-sample confidence."""
     import keras
 
     from pergrad.analysis.out_of_sample import add_out_of_sample
@@ -458,7 +458,7 @@ def _row_scores(analysis, model, x, labels, train, valid, held_losses, from_logi
         usable = [scores[k][valid] for k in DEFAULT_SCORE if not np.isnan(scores[k][valid]).all()]
         scores["default"][valid] = rank_average(*usable)
     if out_of_sample is not None:
-        scores = add_out_of_sample(scores, out_of_sample, labels, [train, valid])
+        scores = add_out_of_sample(scores, out_of_sample, labels)
     return scores, names
 
 
