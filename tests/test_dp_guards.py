@@ -407,3 +407,63 @@ def test_layer_normalization_over_the_batch_axis_is_refused(rng, axis):
     fit = not (keras.backend.backend() == "torch" and axis in (0, -3))
     _refused_both_ways(lambda: _normalization_over_the_batch(axis), x, y, "'norm'.*batch axis",
                        fit=fit)
+
+
+class GatedBatchMean(keras.layers.Layer):
+    """``h + g * mean_batch(h)`` with the gate ``g`` initialised at zero: it mixes examples
+    only once training moves ``g`` (a ReZero/LayerScale gate, LoRA's ``B``)."""
+
+    def build(self, input_shape):
+        self.gate = self.add_weight(shape=(), initializer="zeros", name="gate")
+
+    def call(self, h):
+        return h + self.gate * keras.ops.mean(h, axis=0, keepdims=True)
+
+
+def _gated_model():
+    keras.utils.set_random_seed(0)
+    inputs = keras.Input((4,))
+    h = keras.layers.Dense(6, activation="relu")(inputs)
+    return keras.Model(inputs, keras.layers.Dense(2)(GatedBatchMean()(h)))
+
+
+@pytest.mark.all_backends
+def test_mixing_behind_a_gate_at_zero_is_refused_before_the_gate_opens():
+    """The reproducer of the issue: at initialisation the gate hides the batch mean, so a check
+    of the current weights alone passed and ``dp_mean`` trained on while the gate opened. The
+    check also evaluates perturbed weights, where the gate is open."""
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(16, 4)).astype("float32")
+    y = rng.integers(0, 2, 16)
+    loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+    model = _gated_model()
+    assert float(keras.ops.convert_to_numpy(model.layers[2].gate.value)) == 0.0
+    with pytest.raises(pergrad.MixesExamplesError):
+        pergrad.PerExample(model, loss).check(x, y)
+    private = pergrad.keras.PerExampleModel(
+        model, aggregator=pergrad.aggregate.dp_mean(1.0, 1.0, seed=0))
+    private.compile(optimizer=keras.optimizers.SGD(0.5), loss=loss)
+    before = [np.array(w) for w in model.get_weights()]
+    with pytest.raises(pergrad.MixesExamplesError):
+        private.fit(x, y, batch_size=8, epochs=3, verbose=0)
+    for now, then in zip(model.get_weights(), before, strict=True):
+        np.testing.assert_array_equal(now, then)  # refused before any step
+
+
+@pytest.mark.all_backends
+def test_the_perturbed_check_passes_a_model_that_does_not_mix():
+    """A zero-initialised factor on a per-example path (no mixing) still passes."""
+    keras.utils.set_random_seed(0)
+    inputs = keras.Input((4,))
+    h = keras.layers.Dense(6, activation="relu")(inputs)
+    gated = keras.layers.Dense(6, kernel_initializer="zeros", use_bias=False)(h)
+    model = keras.Model(inputs, keras.layers.Dense(2)(keras.layers.Add()([h, gated])))
+    rng = np.random.default_rng(1)
+    x = rng.normal(size=(16, 4)).astype("float32")
+    y = rng.integers(0, 2, 16)
+    loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+    pergrad.PerExample(model, loss).check(x, y)
+    private = pergrad.keras.PerExampleModel(
+        model, aggregator=pergrad.aggregate.dp_mean(1.0, 1.0, seed=0))
+    private.compile(optimizer=keras.optimizers.SGD(0.5), loss=loss)
+    private.fit(x, y, batch_size=8, epochs=1, verbose=0)

@@ -157,16 +157,63 @@ def _relative(in_batch, alone, floor):
     return ops.where(one_sided, ops.cast(np.inf, a.dtype), relative)
 
 
-def mixing_differences(model, loss_fn, x, y, num_examples: int):
-    """``(n,)`` float64 (float32 on JAX without x64): the relative difference (module docstring) of example ``k``'s loss in
-    and out of the batch for ``k < n = num_examples``; with fewer examples than that, the last
-    one is repeated. Traceable (a ``tf.function``, a ``tf.cond`` branch): ``num_examples`` model
-    calls on one example each, unrolled, no loop."""
+def mixing_differences(model, loss_fn, x, y, num_examples: int,
+                       at_perturbed_weights: bool = True):
+    """``(n,)`` float64 (float32 on JAX without x64): the relative difference (module docstring)
+    of example ``k``'s loss in and out of the batch for ``k < n = num_examples``; with fewer
+    examples than that, the last one is repeated. Traceable (a ``tf.function``, a ``tf.cond``
+    branch): ``num_examples`` model calls on one example each, unrolled, no loop.
+
+    Each difference is the larger of two: at the model's weights, and at randomly perturbed
+    trainable weights (:func:`perturbed_weights`). A path that mixes examples behind a factor
+    initialised at zero (a gate, ReZero/LayerScale scalars, LoRA's ``B``) contributes nothing
+    at initialisation and would pass a check of the current weights alone, then mix once
+    training moves the factor; at perturbed weights it shows. There only finite differences
+    count (a perturbation that overflows proves nothing). ``at_perturbed_weights=False``
+    measures the current weights alone."""
     # A normalization over the batch axis mixes by construction, and its call on one example
     # would end in a shape error before any loss could be compared: refuse it by name first.
     refuse_statistics_over_the_batch(model)
+    current = _differences(lambda inputs: model(inputs, training=False), loss_fn, x, y,
+                           num_examples)
+    if not at_perturbed_weights:
+        return current
+    trainable, frozen = perturbed_weights(model)
+    mapping = [*zip(model.trainable_variables, trainable, strict=True),
+               *zip(model.non_trainable_variables, frozen, strict=True)]
+
+    def perturbed_call(inputs):
+        # The model's own __call__ (input casting, autocast) with the perturbed values; what
+        # the call writes stays in the scope.
+        with keras.StatelessScope(state_mapping=mapping):
+            return model(inputs, training=False)
+
+    perturbed = _differences(perturbed_call, loss_fn, x, y, num_examples)
+    perturbed = ops.where(ops.isfinite(perturbed), perturbed, ops.zeros_like(perturbed))
+    return ops.maximum(current, perturbed)
+
+
+def perturbed_weights(model, seed: int = 20261203) -> tuple[list, list]:
+    """``(trainable values, non-trainable values)`` for ``model.stateless_call``: every
+    floating trainable weight ``w`` moved by ``0.1 (rms(w) + 1) z``, ``z`` standard normal
+    drawn from a fixed seed (so factors at zero open); the rest as they are."""
+    trainable = []
+    for k, variable in enumerate(model.trainable_variables):
+        value = ops.convert_to_tensor(variable.value)
+        dtype = keras.backend.standardize_dtype(value.dtype)
+        if keras.backend.is_float_dtype(dtype):
+            rms = ops.sqrt(ops.mean(ops.square(value))) if len(value.shape) else ops.abs(value)
+            noise = keras.random.normal(tuple(value.shape), dtype=dtype, seed=seed + k)
+            value = value + ops.cast(0.1, dtype) * (rms + ops.cast(1.0, dtype)) * noise
+        trainable.append(ops.cast(value, variable.dtype))
+    frozen = [ops.convert_to_tensor(v.value) for v in model.non_trainable_variables]
+    return trainable, frozen
+
+
+def _differences(call, loss_fn, x, y, num_examples: int):
+    """:func:`mixing_differences` for one way of calling the model."""
     wide = wide_float()
-    in_batch = ops.cast(loss_fn(y, model(x, training=False)), wide)
+    in_batch = ops.cast(loss_fn(y, call(x)), wide)
     size = ops.shape(in_batch)[0]
     finite = ops.isfinite(in_batch)
     magnitude = ops.where(finite, ops.abs(in_batch), ops.zeros_like(in_batch))
@@ -176,7 +223,7 @@ def mixing_differences(model, loss_fn, x, y, num_examples: int):
     differences = []
     for k in range(count):
         index = ops.reshape(ops.minimum(k, size - 1), [1])
-        alone = ops.cast(loss_fn(_take(y, index), model(_take(x, index), training=False)), wide)
+        alone = ops.cast(loss_fn(_take(y, index), call(_take(x, index))), wide)
         differences.append(_relative(ops.take(in_batch, index, axis=0), alone, floor))
     return ops.concatenate(differences, axis=0)
 

@@ -223,7 +223,8 @@ class PerExample:
 
         return self.compiled("clipped_sum", body)(x, y, sample_weight, _wide_scalar(clip))
 
-    def example_mixing(self, x, y=None, sample_weight=None, num_examples: int = 4) -> Any:
+    def example_mixing(self, x, y=None, sample_weight=None, num_examples: int = 4,
+                       at_perturbed_weights: bool = True) -> Any:
         """How much the model or the loss mixes the examples of a batch: a float64 scalar, 0 for
         a model that treats examples independently (up to rounding, see
         :func:`pergrad.engine.mixing_tolerance`).
@@ -233,7 +234,11 @@ class PerExample:
         the batch and ``l_k^1`` computed alone, both with ``training=False`` (dropout cannot
         differ). The mean floor keeps a loss near zero from turning rounding into a large
         relative difference. Losses are compared unweighted, so that an example weighted 0
-        cannot hide mixing; ``sample_weight`` is only checked for its length.
+        cannot hide mixing; ``sample_weight`` is only checked for its length. Each difference
+        is also measured at randomly perturbed trainable weights, and the larger counts: a
+        mixing path behind a factor initialised at zero (a gate, LoRA's ``B``) shows before
+        training opens it (:func:`pergrad.engine.checks.mixing_differences`);
+        ``at_perturbed_weights=False`` measures the current weights alone.
 
         Traceable: inside a ``tf.function`` or a ``tf.cond`` branch it adds ``num_examples``
         forward passes of one example to the graph; called eagerly it is compiled and cached.
@@ -243,11 +248,13 @@ class PerExample:
 
         def body(x, y, w):
             del w  # losses are compared unweighted
-            return ops.max(mixing_differences(self.model, self._loss_fn, x, y, num_examples))
+            return ops.max(mixing_differences(self.model, self._loss_fn, x, y, num_examples,
+                                              at_perturbed_weights))
 
         if _tracing(x):
             return body(x, y, sample_weight)
-        return self.compiled(f"example_mixing/{num_examples}", body)(x, y, sample_weight)
+        key = f"example_mixing/{num_examples}" + ("" if at_perturbed_weights else "/current")
+        return self.compiled(key, body)(x, y, sample_weight)
 
     def check(self, x, y=None, sample_weight=None, rtol: float | None = None,
               num_examples: int = 4) -> None:
