@@ -126,6 +126,26 @@ def test_held_value_and_autocast_scope():
 
 
 @pytest.mark.all_backends
+def test_keras_mask_of_padding_and_ignored_labels():
+    tokens = np.array([[3, 1, 0, 0], [2, 0, 0, 0]], "int32")
+    embedded = keras.layers.Embedding(5, 2, mask_zero=True)(tokens)
+    np.testing.assert_array_equal(keras.ops.convert_to_numpy(_compat.keras_mask(embedded)),
+                                  tokens != 0)
+    assert _compat.keras_mask(keras.ops.ones((2, 3))) is None
+
+
+@pytest.mark.all_backends
+def test_micro_steps_counts_every_apply_under_gradient_accumulation():
+    variable = keras.Variable(np.ones(3, "float32"))
+    optimizer = keras.optimizers.SGD(0.1, gradient_accumulation_steps=3)
+    optimizer.build([variable])
+    for _ in range(4):
+        optimizer.apply([keras.ops.ones(3)], [variable])
+    assert int(keras.ops.convert_to_numpy(_compat.micro_steps(optimizer))) == 4
+    assert int(keras.ops.convert_to_numpy(optimizer.iterations)) == 1  # the updates
+
+
+@pytest.mark.all_backends
 @pytest.mark.skipif(keras.backend.backend() != "torch", reason="Keras's torch convolution")
 def test_torch_convolutions_run_under_vmap_in_their_scope():
     import torch

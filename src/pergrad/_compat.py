@@ -63,6 +63,13 @@ def keras_mask(tensor: Any) -> Any:
     return get_keras_mask(tensor)
 
 
+def micro_steps(optimizer: Any) -> Any:
+    """The number of ``apply`` calls an optimizer has made (``BaseOptimizer._iterations``):
+    under ``gradient_accumulation_steps=k`` its public ``iterations`` counts the updates (every
+    ``k``-th call) instead."""
+    return optimizer._iterations
+
+
 def loss_tracker(model: Any) -> Any:
     """The ``Mean`` metric behind the ``loss`` entry of Keras's logs (``Model._loss_tracker``)."""
     return model._loss_tracker

@@ -48,29 +48,34 @@ def initial_state(seed: int) -> list[int]:
     return [int(seed), 0]
 
 
-def next_key(state) -> Any:
+def next_key(state, advance: Any = True) -> Any:
     """Read the key ``[seed, counter]`` held by ``state`` and advance its counter by one.
 
     ``state`` is a ``tf.Variable`` or Keras variable of shape ``(2,)`` and dtype ``int64``. The
     read happens before the increment (automatic control dependencies order them in a
     ``tf.function``; on JAX the read is a value and the increment a new value the train step
     writes back; on PyTorch the read is a host copy), so consecutive calls return ``[s, c]``, ``[s, c + 1]``, ...
+
+    ``advance`` (a Python or tensor boolean) advances the counter only where true: a logical
+    batch's micro-steps read the key of the release to come and advance it once, at the
+    release (:mod:`pergrad.keras.logical_batches`).
     """
+    step = ops.cast(ops.convert_to_tensor(advance), KEY_DTYPE)
     if backend.is_jax():
         require_64_bit_keys()
         key = ops.convert_to_tensor(state.value if isinstance(state, keras.Variable) else state)
-        state.assign(key + ops.convert_to_tensor(np.array([0, 1], np.int64)))
+        state.assign(key + ops.stack([ops.zeros_like(step), step]))
         return key
     if backend.is_torch():
         # A host copy first: a torch variable is assigned in place, under any view of it.
         key = np.array(ops.convert_to_numpy(state.value if isinstance(state, keras.Variable)
                                             else state), np.int64)
-        state.assign(key + np.array([0, 1], np.int64))
+        state.assign(key + np.array([0, int(ops.convert_to_numpy(step))], np.int64))
         return ops.convert_to_tensor(key)
     import tensorflow as tf
     key = tf.identity(tf.convert_to_tensor(state))
     with tf.control_dependencies([key]):
-        state.assign_add(tf.constant([0, 1], KEY_DTYPE))
+        state.assign_add(tf.stack([tf.zeros_like(step), step]))
     return key
 
 

@@ -20,6 +20,7 @@ is dropped like a NaN example, so no single example decides whether a DP step ha
 from __future__ import annotations
 
 import inspect
+import math
 import warnings
 from typing import Any
 
@@ -33,7 +34,7 @@ from pergrad.backend import ENGINE_SUPPORTED, is_jax, is_tensorflow, is_torch, r
 from pergrad.backend.lazy import tensorflow as tf
 from pergrad.engine import PerExample, compute_dtype, mixing_tolerance
 from pergrad.engine.losses import leaf_loss
-from pergrad.keras import step
+from pergrad.keras import logical_batches, step
 from pergrad.keras.faults import backups_first, lost_process_errors
 from pergrad.rules.normalization import MixesExamplesError
 from pergrad.stats.scores import loss_from_logits
@@ -215,6 +216,10 @@ class PerExampleModel(keras.Model):
         self._target_order = None
         self.noise_state = None
         self.dp_config = None  # set by pergrad.keras.make_private
+        # Logical batches (gradient_accumulation_steps) under a noisy aggregator: set by compile.
+        self.accumulation_steps = 1
+        self.logical_sums = None
+        self.logical_rows = None
         if self.aggregator.noisy:
             if is_jax():
                 noise.require_64_bit_keys()
@@ -248,6 +253,8 @@ class PerExampleModel(keras.Model):
         if not self.model.built and input_shape is not None:
             self.model.build(input_shape)
         self.built = True
+        if self.accumulation_steps > 1 and self.aggregator.noisy and self.model.built:
+            logical_batches.add_accumulators(self)
 
     # -- Keras plumbing -----------------------------------------------------------------------------
     def call(self, inputs, training=None):
@@ -266,6 +273,9 @@ class PerExampleModel(keras.Model):
             loss, loss_weights, output_names, dict_outputs)
         self._from_logits = loss_from_logits(loss)
         self._per_example = None
+        self.accumulation_steps = logical_batches.accumulation_steps(self.optimizer)
+        if self.accumulation_steps > 1 and self.aggregator.noisy and self.model.built:
+            logical_batches.add_accumulators(self)
         if is_torch() and self.jit_compile:
             # The step reads values on the host (the mixing check, noise keys, the monitor's
             # tables), which torch.compile would split into many graphs.
@@ -293,6 +303,8 @@ class PerExampleModel(keras.Model):
 
     def fit(self, *args, **kwargs):
         args, kwargs = self._with_dp_config(args, kwargs)
+        if self.logical_sums is not None:
+            self._check_whole_logical_batches(args, kwargs)
         args, kwargs = backups_first(self, args, kwargs)
         if is_torch():  # eager: a refused first step raises MixesExamplesError itself
             args, kwargs = self._with_monitor_callback(args, kwargs)
@@ -322,6 +334,23 @@ class PerExampleModel(keras.Model):
             return logs if return_dict else self._flatten_metrics_in_order(logs)
         with _mixing_errors():
             return super().train_on_batch(*args, **kwargs)
+
+    def _check_whole_logical_batches(self, args: tuple, kwargs: dict) -> None:
+        """Refuse ``fit`` on arrays whose epoch of micro-batches would end inside a logical
+        batch (:mod:`pergrad.keras.logical_batches`)."""
+        bound = inspect.signature(keras.Model.fit).bind_partial(self, *args, **kwargs)
+        arguments = bound.arguments
+        x = arguments.get("x")
+        leaves = keras.tree.flatten(x) if x is not None else []
+        arrays = bool(leaves) and all(hasattr(leaf, "shape") for leaf in leaves)
+        count = int(leaves[0].shape[0]) if arrays else None
+        split = arguments.get("validation_split") or 0.0
+        if count is not None and split:
+            count = int(math.ceil(count * (1.0 - split)))
+        batch_size = (arguments.get("batch_size") or 32) if arrays else None
+        logical_batches.check_whole_logical_batches(count, batch_size,
+                                                    arguments.get("steps_per_epoch"),
+                                                    self.accumulation_steps)
 
     def _with_dp_config(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         """``fit``'s arguments completed by the :class:`~pergrad.keras.DPConfig` of
@@ -462,9 +491,13 @@ class PerExampleModel(keras.Model):
         else:
             local = self.aggregator.local(result, batch)
         total = aggregate.cross_replica(local, self.aggregator.gathers)
-        with tf.control_dependencies(checks):
-            key = noise.next_key(self.noise_state) if self.aggregator.noisy else None
-        grads = self.aggregator.finalize(total, key)
+        if self.logical_sums is not None:  # noise once per logical batch
+            with tf.control_dependencies(checks):
+                grads = logical_batches.release_update(self, total, self.accumulation_steps)
+        else:
+            with tf.control_dependencies(checks):
+                key = noise.next_key(self.noise_state) if self.aggregator.noisy else None
+            grads = self.aggregator.finalize(total, key)
         self._check_shapes(grads, variables)
         regularization = step.regularization_gradients(variables)
         if regularization is not None:

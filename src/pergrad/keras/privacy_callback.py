@@ -112,6 +112,7 @@ class PrivacyCallback(keras.callbacks.Callback):
                 accountant,
             )
         self._steps_before_epoch = 0
+        self._accumulation = 1
         self._cached: tuple[int, float] = (0, 0.0)
 
     @property
@@ -149,6 +150,9 @@ class PrivacyCallback(keras.callbacks.Callback):
         )
 
     def on_train_begin(self, logs: dict | None = None) -> None:
+        from pergrad.keras.logical_batches import accumulation_steps
+
+        self._accumulation = accumulation_steps(getattr(self.model, "optimizer", None))
         self._sync_with_model()
         if self.max_steps is None:
             return
@@ -195,8 +199,9 @@ class PrivacyCallback(keras.callbacks.Callback):
             raise RuntimeError(self._spent_message())
 
     def on_train_batch_end(self, batch: int, logs: dict | None = None) -> None:
-        # ``batch`` is the 0-based index of the last step run in this epoch.
-        self.steps = self._steps_before_epoch + batch + 1
+        # ``batch`` is the 0-based index of the last step run in this epoch; under logical
+        # batches (gradient_accumulation_steps=k) a step is k of them, released on the k-th.
+        self.steps = self._steps_before_epoch + (batch + 1) // self._accumulation
         if self.max_steps is not None and self.steps >= self.max_steps:
             self.model.stop_training = True
             if not self.budget_exhausted and self.verbose:

@@ -26,6 +26,7 @@ from pergrad import aggregate
 from pergrad._compat import compiled_loss, loss_tracker
 from pergrad.aggregate import noise
 from pergrad.backend.ops import vjp, zero_rows
+from pergrad.keras import logical_batches
 
 #: ``PerExampleModel.mixing_status`` on JAX and PyTorch: the first-batch example-mixing check
 #: has not run, passed, or refused the step.
@@ -100,8 +101,11 @@ def stateful_step(model, data, on: ModuleType) -> dict:
     loss_scaled = scale is not None and not model.aggregator.noisy
     batch = aggregate.Batch.of(result, sample_weight, loss_scaled=loss_scaled)
     local = model.aggregator.local(result, batch)
-    key = noise.next_key(model.noise_state) if model.aggregator.noisy else None
-    grads = model.aggregator.finalize(local, key)
+    if model.logical_sums is not None:  # noise once per logical batch
+        grads = logical_batches.release_update(model, local, model.accumulation_steps)
+    else:
+        key = noise.next_key(model.noise_state) if model.aggregator.noisy else None
+        grads = model.aggregator.finalize(local, key)
     model._check_shapes(grads, variables)
     regularization = regularization_gradients(variables)
     if regularization is not None:
