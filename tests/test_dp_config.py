@@ -85,3 +85,17 @@ def test_make_private_refuses_another_batch_size():
     private.compile(optimizer="sgd", loss=LOSS)
     with pytest.raises(ValueError, match="differs from the DPConfig's batch_size=16"):
         private.fit(x, y, batch_size=32, verbose=0)
+
+
+def test_make_private_with_logical_batches():
+    """``batch_size`` is the logical batch: ``fit`` runs micro-batches of ``B / k`` and the
+    callback counts logical steps."""
+    x, y = _data()
+    config = DPConfig(8.0, 1e-5, len(x), 32, 2, seed=1)
+    private = make_private(_model(), config)
+    private.compile(optimizer=keras.optimizers.SGD(0.1, gradient_accumulation_steps=4), loss=LOSS)
+    history = private.fit(x, y, verbose=0)  # 2 epochs of 2 logical batches of 4 x 8
+    assert int(keras.ops.convert_to_numpy(private.noise_state.value)[1]) == 4
+    assert history.history["epsilon"][-1] == pytest.approx(config.epsilon, rel=1e-9)
+    with pytest.raises(ValueError, match="in 4 micro-batches of 8"):
+        private.fit(x, y, batch_size=32, verbose=0)

@@ -85,18 +85,30 @@ class DPConfig:
                                self.delta, self.accountant, target_epsilon=self.target_epsilon,
                                verbose=verbose)
 
-    def fit_arguments(self, kwargs: dict[str, Any], given_batches: bool) -> dict[str, Any]:
+    def fit_arguments(self, kwargs: dict[str, Any], given_batches: bool,
+                      accumulation_steps: int = 1) -> dict[str, Any]:
         """``fit``'s keyword arguments completed from the configuration: ``batch_size`` and
         ``epochs`` where absent (``batch_size`` only for arrays, ``given_batches`` false), and the
         privacy callback unless one is there. A different ``batch_size`` is refused; more
-        ``epochs`` than planned are cut short by the callback at the budget."""
+        ``epochs`` than planned are cut short by the callback at the budget.
+
+        Under logical batches (an optimizer with ``gradient_accumulation_steps=k``,
+        :mod:`pergrad.keras.logical_batches`) ``batch_size`` is the logical batch: ``fit`` runs
+        micro-batches of ``batch_size / k``, which ``k`` must divide."""
         kwargs = dict(kwargs)
         if not given_batches:
-            batch_size = kwargs.setdefault("batch_size", self.batch_size)
-            if batch_size != self.batch_size:
+            if self.batch_size % accumulation_steps:
+                raise ValueError(
+                    f"gradient_accumulation_steps={accumulation_steps} does not divide the "
+                    f"DPConfig's logical batch_size={self.batch_size}.")
+            micro = self.batch_size // accumulation_steps
+            batch_size = kwargs.setdefault("batch_size", micro)
+            if batch_size != micro:
                 raise ValueError(
                     f"fit(batch_size={batch_size}) differs from the DPConfig's batch_size="
-                    f"{self.batch_size}: the noise was calibrated for sampling rate "
+                    f"{self.batch_size}" + (f" in {accumulation_steps} micro-batches of {micro}"
+                                            if accumulation_steps > 1 else "")
+                    + f": the noise was calibrated for sampling rate "
                     f"{self.batch_size}/{self.num_examples}. Make a DPConfig with the batch size "
                     "you train with.")
         kwargs.setdefault("epochs", math.ceil(self.epochs))

@@ -363,7 +363,8 @@ class PerExampleModel(keras.Model):
         arguments.pop("self")
         x = arguments.get("x")
         arrays = x is not None and all(hasattr(leaf, "shape") for leaf in keras.tree.flatten(x))
-        return (), config.fit_arguments(arguments, given_batches=not arrays)
+        return (), config.fit_arguments(arguments, given_batches=not arrays,
+                                        accumulation_steps=self.accumulation_steps)
 
     def _with_monitor_callback(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         """``fit``'s arguments with the monitor added (last) to the callbacks, if it is a
