@@ -169,7 +169,7 @@ def mixing_differences(model, loss_fn, x, y, num_examples: int,
     initialised at zero (a gate, ReZero/LayerScale scalars, LoRA's ``B``) contributes nothing
     at initialisation and would pass a check of the current weights alone, then mix once
     training moves the factor; at perturbed weights it shows. There only finite differences
-    count (a perturbation that overflows proves nothing). ``at_perturbed_weights=False``
+    above float32's rounding (1e-4) count: a perturbation that overflows proves nothing. ``at_perturbed_weights=False``
     measures the current weights alone."""
     # A normalization over the batch axis mixes by construction, and its call on one example
     # would end in a shape error before any loss could be compared: refuse it by name first.
@@ -189,8 +189,18 @@ def mixing_differences(model, loss_fn, x, y, num_examples: int,
             return model(inputs, training=False)
 
     perturbed = _differences(perturbed_call, loss_fn, x, y, num_examples)
-    perturbed = ops.where(ops.isfinite(perturbed), perturbed, ops.zeros_like(perturbed))
+    # Only a finite difference above float32's rounding counts there: XLA may compute the
+    # perturbed pass of a float64 model with float32 rounding (seen on JAX's CPU: 1.5e-7), and
+    # a path that really mixes differs by far more once its factor is open.
+    real = ops.logical_and(ops.isfinite(perturbed),
+                           perturbed > ops.cast(_PERTURBED_FLOOR, perturbed.dtype))
+    perturbed = ops.where(real, perturbed, ops.zeros_like(perturbed))
     return ops.maximum(current, perturbed)
+
+
+#: The smallest relative difference at perturbed weights that counts as mixing (float32's
+#: mixing tolerance, :func:`mixing_tolerance`).
+_PERTURBED_FLOOR = 1e-4
 
 
 def perturbed_weights(model, seed: int = 20261203) -> tuple[list, list]:
