@@ -15,9 +15,9 @@ accounting (``pergrad privacy`` on the command line) never loads Keras or a back
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
+from pergrad._lazy_exports import lazy_exports
 from pergrad.privacy.accounting import (
     dp_sgd_steps,
     epsilon,
@@ -43,19 +43,7 @@ __all__ = [
 ]
 
 
-def __getattr__(name: str) -> Any:
-    try:
-        module_name, attribute = _LAZY[name]
-    except KeyError:
-        raise AttributeError(f"module 'pergrad.privacy' has no attribute {name!r}") from None
-    module = importlib.import_module(module_name)
-    value = module if attribute is None else getattr(module, attribute)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(_LAZY))
+__getattr__, __dir__ = lazy_exports(__name__, _LAZY)
 
 
 if TYPE_CHECKING:  # what the lazy names are, for type checkers and IDEs
