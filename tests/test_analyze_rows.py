@@ -256,6 +256,10 @@ def _bad_inputs(tmp_path) -> list[tuple[list[str], str]]:
          "--id names a column"),
         (["--model", model, "--data", str(tmp_path / "missing.npz")], "no such file"),
         (["--model", model, "--data", str(tmp_path / "good.npz"), "--drop"], "--drop goes with"),
+        (["--model", model, "--data", str(tmp_path / "good.npz"), "--fix",
+          str(tmp_path / "copy.csv")], "the data is a .npz file; name a .npz copy"),
+        (["--model", img, "--data", folders["txt"], "--fix", str(tmp_path / "copy.npz")],
+         "for an image folder, move the files listed in label_issues.csv"),
     ]
 
 

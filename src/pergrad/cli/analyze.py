@@ -17,14 +17,19 @@ NOISE_MULTIPLIER = 1.1
 DELTA = 1e-5
 
 
-def _positive_int(text: str) -> int:
+def _integer(text: str, accept, expected: str) -> int:
+    """``int(text)`` if ``accept`` takes it, else an argparse error naming ``expected``."""
     try:
         value = int(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+        value = None
+    if value is None or not accept(value):
+        raise argparse.ArgumentTypeError(f"expected {expected}, got {text!r}") from None
     return value
+
+
+def _positive_int(text: str) -> int:
+    return _integer(text, lambda v: v >= 1, "a positive integer")
 
 
 def _fraction(text: str) -> float:
@@ -97,13 +102,7 @@ def add_parser(commands) -> None:
 
 
 def _folds(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected 0 (off) or at least 2, got {text!r}") from None
-    if value == 1 or value < 0:
-        raise argparse.ArgumentTypeError(f"expected 0 (off) or at least 2, got {text!r}") from None
-    return value
+    return _integer(text, lambda v: v == 0 or v >= 2, "0 (off) or at least 2")
 
 
 def _aggregator(name: str, seed: int):
@@ -156,6 +155,13 @@ def _check_paths(args: argparse.Namespace) -> None:
                            "the labels analyzed are not your file's; drop one of the two")
         if os.path.abspath(args.fix) == os.path.abspath(args.data):
             raise _Refused(f"--fix {args.fix} is the input file; name a new file for the copy")
+        kind = os.path.splitext(args.data)[1].lower()
+        if os.path.isdir(args.data) or kind not in (".npz", ".csv"):
+            raise _Refused("--fix writes a corrected .npz or .csv; for an image folder, move the "
+                           "files listed in label_issues.csv to the folder of their suggested "
+                           "class")
+        if os.path.splitext(args.fix)[1].lower() != kind:
+            raise _Refused(f"--fix {args.fix}: the data is a {kind} file; name a {kind} copy")
 
 
 def _load_model(args):
@@ -323,6 +329,8 @@ def _run(args: argparse.Namespace) -> int:
         classes = int(labels.max()) + 1 if data.class_names is None else len(data.class_names)
         labels, flipped = demo.flip_labels(labels, args.label_noise, seed=args.seed,
                                            num_classes=max(classes, 2))
+    if args.fix is not None and not classifier:
+        raise _Refused("--fix needs a classifier (integer labels and a classification loss)")
     train, valid = _split(labels, args.test_fraction, args.seed)
     if args.folds:
         if not classifier:
@@ -410,8 +418,6 @@ def _run(args: argparse.Namespace) -> int:
             raise _Refused(str(error)) from None
         summary["fixed_copy"] = {"path": args.fix, "dropped" if args.drop else "relabelled":
                                  changed}
-    elif args.fix is not None:
-        raise _Refused("--fix needs a classifier (integer labels and a classification loss)")
     with open(os.path.join(args.out, "summary.json"), "w") as handle:
         json.dump(summary, handle, indent=1)
     written.append("summary.json")
