@@ -2,7 +2,8 @@
 
     python multi_worker_script.py INDEX PORT0,PORT1 MODE OUT_DIR
 
-MODE ``train``: train every aggregator of ``AGGREGATORS`` with ``fit_distributed``;
+MODE ``train``: train every aggregator of ``AGGREGATORS`` with ``fit_distributed``; ``sequence``:
+those of ``SEQUENCE`` one after another with Adam, sample weights and shuffled arrays;
 ``crash``: DP-SGD with checkpoints in ``OUT_DIR/ckpt`` (:func:`dp_run`), worker 1 killing itself
 in the middle of epoch 2; ``resume``: the same call again. Worker 0 writes its results as JSON to ``OUT_DIR/<MODE>.json``.
 """
@@ -36,6 +37,13 @@ AGGREGATORS = {
     "dp_mean": lambda: aggregate.dp_mean(0.5, 1.0, seed=3),
     "median": lambda: aggregate.median(),
 }
+# Trained one after another in the same processes with Adam, sample weights and shuffled arrays
+# (MODE ``sequence``): each model's step is traced in processes that already ran others.
+SEQUENCE = {
+    "clip_mean": lambda: aggregate.clip_mean(0.5),
+    "dp_mean": lambda: aggregate.dp_mean(0.5, 1.0, seed=3, expected_batch_size=10),
+    "trimmed_mean": lambda: aggregate.trimmed_mean(0.25),
+}
 
 
 def data():
@@ -49,9 +57,10 @@ def inner_model() -> keras.Model:
     return keras.Sequential([keras.Input((FEATURES,)), keras.layers.Dense(CLASSES)])
 
 
-def compiled(aggregator) -> PerExampleModel:
+def compiled(aggregator, optimizer: str = "sgd") -> PerExampleModel:
     model = PerExampleModel(inner_model(), aggregator)
-    model.compile(optimizer=keras.optimizers.SGD(LR),
+    model.compile(optimizer=keras.optimizers.get({"class_name": optimizer,
+                                                  "config": {"learning_rate": LR}}),
                   loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
                   metrics=["accuracy"])
     return model
@@ -119,6 +128,13 @@ def run(mode: str, out_dir: str) -> None:
             model.fit(x, y, batch_size=BATCH, verbose=0)
         except ValueError as error:
             out["fit_refused"] = str(error)
+    elif mode == "sequence":
+        for name, make in SEQUENCE.items():
+            with strategy.scope():
+                model = compiled(make(), optimizer="adam")
+            fit_distributed(model, x, y, sample_weight=w, batch_size=BATCH, epochs=2,
+                            shuffle=True, seed=1, strategy=strategy)
+            out[name] = {"weights": weights(model)}
     else:
         try:
             out["dp_run"] = dp_run(strategy, os.path.join(out_dir, "ckpt"), mode == "crash")

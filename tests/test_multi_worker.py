@@ -22,6 +22,7 @@ from processes import run_bounded  # noqa: E402
 
 from pergrad import aggregate  # noqa: E402
 from pergrad.bench.multi_worker import free_ports  # noqa: E402
+from pergrad.keras.distributed import fit_distributed  # noqa: E402
 
 TIMEOUT = 150  # seconds for one launch of both workers
 
@@ -63,6 +64,26 @@ def test_two_workers_equal_one_process_and_add_noise_once(tmp_path):
     plain = np.concatenate([np.ravel(v) for v in _single_process(aggregate.dp_mean(0.5, 0.0))])
     expected_std = script.LR * 0.5 * 1.0 * np.sqrt(script.N // script.BATCH) / script.BATCH
     assert abs(np.std(noisy - plain) / expected_std - 1) < 0.2, np.std(noisy - plain)
+
+
+def test_models_trained_one_after_another_with_adam_equal_one_process(tmp_path):
+    """clip_mean, dp_mean(expected_batch_size=10) and trimmed_mean trained one after another in
+    the same two processes, with Adam (slots made before the step is traced), sample weights and
+    shuffled arrays: each ends at one process's weights. Before ``fit_distributed`` built every
+    variable first, the second worker's step failed on a placeholder of a lifted initializer."""
+    import tensorflow as tf
+
+    done = _launch("sequence", tmp_path)
+    for proc in done:
+        assert proc.returncode == 0, proc.stderr[-3000:]
+    trained = json.loads((tmp_path / "sequence.json").read_text())
+    x, y, w = script.data()
+    for name, make in script.SEQUENCE.items():
+        model = script.compiled(make(), optimizer="adam")
+        fit_distributed(model, x, y, sample_weight=w, batch_size=script.BATCH, epochs=2,
+                        shuffle=True, seed=1, strategy=tf.distribute.get_strategy())
+        for got, want in zip(trained[name]["weights"], model.model.get_weights(), strict=True):
+            np.testing.assert_allclose(np.asarray(got), want, rtol=1e-5, atol=1e-5, err_msg=name)
 
 
 def test_a_lost_worker_is_reported_and_a_restart_resumes_exactly(tmp_path):

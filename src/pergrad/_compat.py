@@ -70,6 +70,15 @@ def micro_steps(optimizer: Any) -> Any:
     return optimizer._iterations
 
 
+def symbolic_build(model: Any, data_batch: Any) -> None:
+    """Create every variable ``fit`` would create before its first step (``Trainer._symbolic_
+    build``): the model's, the compiled metrics' and loss's (on symbolic tensors shaped like
+    ``data_batch``) and the optimizer's slots. A train step traced before them would create
+    them inside its first call, which ``tf.function`` then runs behind a ``cond`` of lifted
+    initializers."""
+    model._symbolic_build(data_batch=data_batch)
+
+
 def loss_tracker(model: Any) -> Any:
     """The ``Mean`` metric behind the ``loss`` entry of Keras's logs (``Model._loss_tracker``)."""
     return model._loss_tracker

@@ -37,6 +37,7 @@ from typing import Any
 import keras
 import numpy as np
 
+from pergrad._compat import symbolic_build
 from pergrad.backend import require_tensorflow
 from pergrad.backend.lazy import tensorflow as tf
 from pergrad.keras.faults import WorkerFailureError
@@ -163,6 +164,9 @@ def fit_distributed(model: keras.Model, x: Any = None, y: Any = None, *,
     if saver is not None:
         saver.restore()
     first_epoch, skip = int(epoch_var.numpy()), int(step_var.numpy())
+    with strategy.scope():
+        # Every variable made before the step is traced (Adam's slots, the metrics'), as fit does.
+        symbolic_build(model, next(iter(datasets(first_epoch))))
 
     @tf.function
     def train_step(iterator):
