@@ -289,3 +289,16 @@ def test_plain_ops_where_nested_xla_does_not_run(monkeypatch):
     assert _must_compile_calls(outer.get_concrete_function(tf.constant(a), tf.constant(d)).graph) == 0
     assert _must_compile_calls(sums.get_concrete_function(
         tf.constant(a[:, :, 0]), tf.constant([2, 0])).graph) == 0
+
+
+def test_onednn_enabled_is_tensorflows_answer_and_follows_its_switch():
+    import os
+    import subprocess
+    import sys
+
+    assert isinstance(_compat.onednn_enabled(), bool)
+    code = "from pergrad import _compat; print(_compat.onednn_enabled())"
+    env = dict(os.environ, TF_ENABLE_ONEDNN_OPTS="0", PYTHONPATH=os.pathsep.join(sys.path))
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                         timeout=120, check=True)
+    assert out.stdout.strip().splitlines()[-1] == "False"

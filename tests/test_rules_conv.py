@@ -363,13 +363,11 @@ def _grouped_case(name: str, dtype: str):
 
 
 def _onednn_expected() -> bool:
-    """TensorFlow's oneDNN kernels are on by default on x86-64 Linux, and only they run a
-    grouped filter gradient."""
-    import os
-    import platform
+    """Only TensorFlow's oneDNN kernels run a grouped filter gradient; whether they are on
+    depends on the release, the CPU and ``TF_ENABLE_ONEDNN_OPTS``, so TensorFlow is asked."""
+    from pergrad import _compat
 
-    return (keras.backend.backend() == "tensorflow" and platform.machine() in ("x86_64", "AMD64")
-            and os.environ.get("TF_ENABLE_ONEDNN_OPTS", "1") != "0")
+    return keras.backend.backend() == "tensorflow" and _compat.onednn_enabled()
 
 
 def test_grouped_route_cost_model_and_availability():

@@ -110,6 +110,16 @@ def tracing_for_xla() -> bool:
     return bool(control_flow_util.GraphOrParentsInXlaContext(tf.compat.v1.get_default_graph()))
 
 
+def onednn_enabled() -> bool:
+    """Whether TensorFlow runs its oneDNN CPU kernels in this process (``IsMklEnabled``): on
+    x86-64 Linux by default only where the CPU has neural-network features (AVX512_VNNI,
+    AVX512_BF16, AVX_VNNI, AMX) in some releases, always in others, never under
+    ``TF_ENABLE_ONEDNN_OPTS=0``; only TensorFlow's own answer is reliable."""
+    from tensorflow.python.util import _pywrap_util_port
+
+    return bool(_pywrap_util_port.IsMklEnabled())
+
+
 def set_untracked(obj: Any, name: str, value: Any) -> None:
     """Set an attribute without Keras's tracking (``Layer.__setattr__`` would track a layer or
     variable value and refuse some names once built)."""
