@@ -97,7 +97,7 @@ def test_the_mixing_check_runs_once_and_can_be_turned_off(rng):
     plain = PerExampleModel(_mlp(), aggregate.clip_mean(1.0))
     plain.compile(optimizer="sgd", loss="mse")
     plain.fit(x, y, batch_size=4, epochs=2, verbose=0)
-    assert bool(plain._mixing_checked.numpy())
+    assert bool(plain.mixing_checked.numpy())
     unchecked = PerExampleModel(_mixing_model(), aggregate.mean())  # no bound to protect
     unchecked.compile(optimizer="sgd", loss="mse")
     unchecked.fit(x, y, batch_size=8, verbose=0)

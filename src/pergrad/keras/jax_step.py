@@ -2,10 +2,11 @@
 
 Keras's JAX trainer compiles ``train_step(state, data) -> (logs, state)``, a pure function of the
 variables' values. This step maps every variable (the model's, the optimizer's, the metrics') to
-its value in ``state`` with one ``keras.StatelessScope``, runs the backend-neutral stateful step
-(:func:`pergrad.keras.step.stateful_step`: engine, aggregator, DP noise from the model's
+its value in ``state`` with one ``keras.StatelessScope``, runs the one train step
+(:func:`pergrad.keras.step.train_step`: engine, aggregator, DP noise from the model's
 ``noise_state``, regularization, metrics, ``optimizer.apply``) with this module's JAX parts,
-and returns every variable's value at the end as the new state.
+and returns every variable's value at the end as the new state. Rows of weight 0 stay in the
+batch (static shapes): they count in no weighted metric, but in the unweighted ``metrics=``.
 
 The first-batch example-mixing check cannot raise inside a compiled function, so it *gates*
 the step: the model's ``example_mixing_status`` weight goes from 0 (unchecked) to 1 (checked,
@@ -35,6 +36,14 @@ from pergrad.engine import compute_dtype, mixing_tolerance
 from pergrad.keras import step
 
 UNCHECKED, CHECKED, REFUSED = step.UNCHECKED, step.CHECKED, step.REFUSED
+RECORD_VALUES = True  # every variable read through the scope: the values of the step's state
+after = step.after  # the gate applies to the whole new state at the end
+local_and_stats = step.local_only
+kept_rows = None
+
+
+def replicas() -> int:
+    return 1  # keras.distribution shards one global batch: the gradients are already global
 
 
 def _state_variables(model) -> list[list]:
@@ -48,7 +57,7 @@ def train_step(model, state, data) -> tuple[dict, tuple]:
     mapping = [(v, value) for variables, values in zip(groups, state, strict=True)
                for v, value in zip(variables, values, strict=True)]
     with keras.StatelessScope(state_mapping=mapping) as scope:
-        logs = step.stateful_step(model, data, on=sys.modules[__name__])
+        logs = step.train_step(model, data, on=sys.modules[__name__])
         new_state = tuple([_current(scope, v) for v in variables] for variables in groups)
     status = model.mixing_status
     if status is None:
@@ -86,20 +95,14 @@ def apply(optimizer, grads: list, variables: list, trainable: list) -> None:
         variable.assign(value)
 
 
-def monitor(model, result, indices, sample_weight, y, learning_rate) -> dict:
+def monitor(model, result, indices, sample_weight, extras: dict) -> dict:
     """The monitor's statistics of this step, computed from the raw per-example gradients (it
     draws no noise key and writes no state). On a step the mixing check refuses, the monitor
     is not run at all (its host-side counters and tables do not see the step): its outputs are
     NaN there."""
-    from pergrad.keras.model import _accepted
-
-    monitor = model.monitor
-    extras = {"labels": y, "learning_rate": learning_rate, "from_logits": model._from_logits}
-    extras = _accepted(monitor.compute, extras)
-
     def run():
-        stats = monitor.compute(result, indices=indices, sample_weight=sample_weight, **extras)
-        return {k: ops.convert_to_tensor(v) for k, v in dict(stats).items()}
+        stats = step.call_monitor(model, result, indices, sample_weight, extras)
+        return {k: ops.convert_to_tensor(v) for k, v in stats.items()}
 
     status = model.mixing_status
     if status is None:
@@ -113,12 +116,13 @@ def monitor(model, result, indices, sample_weight, y, learning_rate) -> dict:
     return jax.lax.cond(ops.convert_to_tensor(status.value) == REFUSED, refused, run)
 
 
-def check_example_mixing(model, engine, x, y, sample_weight) -> None:
+def check_example_mixing(model, engine, x, y, sample_weight) -> list:
     """On the first batch (status 0), set the status to 1 or, if an example's loss depends on
-    another example, to 2. One ``lax.cond``: later steps skip the check's forward passes."""
+    another example, to 2. One ``lax.cond``: later steps skip the check's forward passes.
+    Nothing to wait for (``[]``): the gate applies to the step's whole new state."""
     status = model.mixing_status
     if status is None:
-        return
+        return []
     tolerance = mixing_tolerance(compute_dtype(model.model))
 
     def check():
@@ -130,3 +134,4 @@ def check_example_mixing(model, engine, x, y, sample_weight) -> None:
 
     current = ops.convert_to_tensor(status.value)
     status.assign(jax.lax.cond(current == UNCHECKED, check, lambda: current))
+    return []

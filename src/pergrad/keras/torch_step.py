@@ -1,8 +1,8 @@
 """``PerExampleModel``'s train step on the PyTorch backend.
 
 Keras's torch trainer calls ``train_step(data)`` eagerly and expects the variables to change in
-place, as on TensorFlow. The step is the backend-neutral
-:func:`pergrad.keras.step.stateful_step` with this module's PyTorch parts:
+place, as on TensorFlow. The step is the one train step :func:`pergrad.keras.step.train_step`
+with this module's PyTorch parts:
 
 * the first-batch example-mixing check reads its result on the host (everything is eager), and a
   mixing model raises :class:`pergrad.MixesExamplesError` before the step changes anything: no
@@ -10,6 +10,8 @@ place, as on TensorFlow. The step is the backend-neutral
   ``example_mixing_status`` weight remembers the outcome (0 unchecked, 1 checked, 2 refused), so
   later steps skip the check, or are refused the same way until ``compile`` resets it;
 * the monitor is called with the step's ``PerExampleResult``;
+* rows of weight 0 (Poisson padding, dropped examples) are removed before the compiled metrics,
+  as on TensorFlow;
 * ``optimizer.apply`` runs under ``torch.no_grad()``, as in Keras's own torch step.
 """
 
@@ -26,18 +28,26 @@ from pergrad.keras import step
 from pergrad.rules.normalization import MixesExamplesError
 
 UNCHECKED, CHECKED, REFUSED = step.UNCHECKED, step.CHECKED, step.REFUSED
+RECORD_VALUES = True
+after = step.after  # eager: the check has raised before any state changes
+local_and_stats = step.local_only
+monitor = step.call_monitor
+
+
+def replicas() -> int:
+    return 1
 
 
 def train_step(model, data) -> dict:
     """One ``PerExampleModel`` step, variables written in place (see the module doc)."""
-    return step.stateful_step(model, data, on=sys.modules[__name__])
+    return step.train_step(model, data, on=sys.modules[__name__])
 
 
-def check_example_mixing(model, engine, x, y, sample_weight) -> None:
+def check_example_mixing(model, engine, x, y, sample_weight) -> list:
     """On the first batch, measure how much examples mix; raise if over the tolerance."""
     status = model.mixing_status
     if status is None:
-        return
+        return []
     current = int(ops.convert_to_numpy(status.value))
     detail = ""
     if current == UNCHECKED:
@@ -50,16 +60,12 @@ def check_example_mixing(model, engine, x, y, sample_weight) -> None:
         detail = f" Relative difference: {error:.3g} (tolerance {tolerance:.1g})."
     if current == REFUSED:
         raise MixesExamplesError(step.REFUSED_MESSAGE + detail)
+    return []
 
 
-def monitor(model, result, indices, sample_weight, y, learning_rate) -> dict:
-    """The monitor's statistics of this step, from the raw per-example gradients."""
-    from pergrad.keras.model import _accepted
-
-    extras = {"labels": y, "learning_rate": learning_rate, "from_logits": model._from_logits}
-    stats = model.monitor.compute(result, indices=indices, sample_weight=sample_weight,
-                                  **_accepted(model.monitor.compute, extras))
-    return dict(stats)
+def kept_rows(structure, counted):
+    """Only the rows where ``counted`` is true."""
+    return keras.tree.map_structure(lambda t: None if t is None else t[counted], structure)
 
 
 def apply(optimizer, grads: list, variables: list, trainable: list) -> None:

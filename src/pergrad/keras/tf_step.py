@@ -1,0 +1,122 @@
+"""``PerExampleModel``'s train step on the TensorFlow backend: the parts of
+:func:`pergrad.keras.step.train_step` that are TensorFlow's.
+
+Keras's TensorFlow trainer traces ``train_step(data)`` into a ``tf.function`` (under
+``tf.distribute``, once per replica) and the variables change in place:
+
+* the first-batch example-mixing check runs inside a ``tf.cond`` on the model's
+  ``example_mixing_checked`` variable (later steps skip its forward passes) and ends in a
+  ``tf.debugging.Assert``; every state change of the step waits for it (``after``), so a refused
+  first step changes nothing, and ``fit`` turns the assertion into
+  :class:`pergrad.MixesExamplesError` (:class:`mixing_errors`);
+* variables are read as they are (a replica reads its own copy), not through a state mapping;
+* under ``tf.distribute`` the aggregator's local parts are combined across replicas by its
+  collectives and the optimizer, which sums replicas' gradients, is given the global update
+  divided by the number of replicas;
+* a monitor with ``compute_alongside`` (``GradientMonitor``) computes the aggregator's local
+  part with its statistics, so the aggregator's sums read the per-example matrices the
+  statistics built;
+* rows of weight 0 are removed before the compiled metrics (dynamic shapes are allowed).
+"""
+
+from __future__ import annotations
+
+import sys
+
+from pergrad.backend.lazy import tensorflow as tf
+from pergrad.engine import compute_dtype, mixing_tolerance
+from pergrad.keras import step
+from pergrad.rules.normalization import MixesExamplesError
+
+RECORD_VALUES = False
+monitor = step.call_monitor
+_MIXING_MARKER = "pergrad: examples mix"
+
+
+def train_step(model, data) -> dict:
+    """One ``PerExampleModel`` step, variables written in place (see the module doc)."""
+    return step.train_step(model, data, on=sys.modules[__name__])
+
+
+def check_example_mixing(model, engine, x, y, sample_weight) -> list:
+    """On the first batch only: assert that no example's loss depends on another example.
+
+    Returns the assertion and the flag's update, to run before any state changes (``[]`` when
+    the check is off). The check's forward passes run inside a ``tf.cond``."""
+    checked = model.mixing_checked
+    if checked is None:
+        return []
+    tolerance = mixing_tolerance(compute_dtype(model.model))
+
+    def check():
+        error = engine.example_mixing(x, y, sample_weight)
+        assertion = tf.debugging.Assert(
+            error <= tolerance, [_mixing_message(tolerance), error], name="example_mixing")
+        with tf.control_dependencies([assertion]):
+            return tf.identity(error)
+
+    done = tf.convert_to_tensor(checked)
+    error = tf.cond(done, lambda: tf.zeros([], tf.float64), check)
+    with tf.control_dependencies([error]):
+        mark = checked.assign(True)
+    return [error, mark]
+
+
+def after(checks: list):
+    """State changes that wait for ``checks``."""
+    return tf.control_dependencies(checks)
+
+
+def replicas() -> int:
+    return tf.distribute.get_strategy().num_replicas_in_sync
+
+
+def local_and_stats(model, result, batch, indices, sample_weight, extras) -> tuple:
+    """The aggregator's local part, with the monitor's statistics where it computes them
+    alongside (statistics first: the aggregator's sums read the matrices their norms built)."""
+    aggregator = model.aggregator
+    if not hasattr(model.monitor, "compute_alongside"):
+        return aggregator.local(result, batch), None
+    stats, local = model.monitor.compute_alongside(
+        result, lambda r: aggregator.local(r, batch), indices=indices,
+        sample_weight=sample_weight, **extras)
+    return local, stats
+
+
+def kept_rows(structure, counted):
+    """Only the rows where ``counted`` is true (a dynamic number of them)."""
+    return tf.nest.map_structure(lambda t: None if t is None else tf.boolean_mask(t, counted),
+                                 structure)
+
+
+def apply(optimizer, grads: list, variables: list, trainable: list) -> None:
+    del trainable
+    optimizer.apply(grads, variables)
+
+
+def _mixing_message(tolerance: float) -> str:
+    return (f"{_MIXING_MARKER}. On the first batch an example's loss differs (relative "
+            f"difference at the end of this message, tolerance {tolerance:.1g}) between being "
+            "computed inside the batch and alone: a layer or the loss mixes examples (a mean "
+            "over the batch axis, BatchNormalization in training mode, a batch-dependent loss). "
+            "Clipping and DP noise would not bound one example's influence. Remove the mixing, "
+            "or pass check_example_mixing=False to PerExampleModel if you have accounted for "
+            "it.")
+
+
+class mixing_errors:
+    """Turn the first-batch mixing assertion (a TF runtime error) into MixesExamplesError."""
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, kind, error, traceback) -> bool:
+        if isinstance(error, tf.errors.InvalidArgumentError) and _MIXING_MARKER in str(error):
+            raise MixesExamplesError(_mixing_detail(str(error))) from None
+        return False
+
+
+def _mixing_detail(text: str) -> str:
+    """The assertion's message and the relative difference it printed after it."""
+    detail = text[text.index(_MIXING_MARKER):].split("\n")[0]
+    return detail.replace("] [", " Relative difference: ").strip(" []")
