@@ -151,6 +151,28 @@ def test_bench_on_the_jax_backend(tmp_path):
     assert refused.returncode == 2 and "only the engine suite" in refused.stderr
 
 
+@pytest.mark.parametrize("backend", ["tensorflow", "jax", "torch"])
+def test_bench_real_models_on_every_backend(backend, tmp_path):
+    """``pergrad bench --suites real-models``: a KerasHub BERT with LoRA, its norms, clipped sum
+    and DP step against its batch gradient and plain Keras step, on each backend (a process of
+    its own); a model of another suite is refused."""
+    pytest.importorskip("keras_hub")
+    path = tmp_path / "real.json"
+    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", KERAS_BACKEND=backend)
+    done = subprocess.run([sys.executable, "-m", "pergrad", "bench", "--suites", "real-models",
+                           "--quick", "--models", "bert_lora", "--json", str(path)],
+                          capture_output=True, text=True, timeout=300, env=env)
+    assert done.returncode == 0, done.stderr[-3000:]
+    (row,) = json.loads(path.read_text())["real-models"]
+    assert row["model"] == "bert_lora" and row["backend"] == backend
+    assert all(row[k] > 0 for k in ("batch_gradient_s", "norms", "clipped_sum", "dp_step"))
+    assert f"| bert_lora | {backend} | 8 |" in done.stdout
+    refused = subprocess.run([sys.executable, "-m", "pergrad", "bench", "--suites",
+                              "real-models", "--models", "cnn"], capture_output=True, text=True,
+                             timeout=120, env=env)
+    assert refused.returncode == 2 and "unknown models ['cnn']" in refused.stderr
+
+
 def test_bench_runs_every_suite(tmp_path):
     """The quick training, monitor and jacobian suites; on the CNN only, unless
     PERGRAD_FULL_TESTS=1 asks for every default model (the transformer's traces double the

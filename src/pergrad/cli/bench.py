@@ -20,8 +20,10 @@ def _csv(kind):
     return parse
 
 
-SUITES = ("engine", "training", "monitor", "jacobian", "label-errors")
-MODEL_SUITES = ("training", "monitor")  # besides the engine, the suites --models applies to
+SUITES = ("engine", "training", "monitor", "jacobian", "label-errors", "real-models")
+# the suites that run on every backend (the others are TensorFlow benchmarks; on JAX also engine)
+EVERY_BACKEND = ("real-models",)
+MODEL_SUITES = ("training", "monitor", "real-models")  # besides the engine, those --models applies to
 
 
 def add_parser(commands) -> None:
@@ -39,7 +41,9 @@ def add_parser(commands) -> None:
                         help="models, comma-separated, from mlp, cnn, transformer, resnet, "
                              "mobilenet, text_cnn, gru, embedding_bag, for the engine, training "
                              "and monitor suites (default: engine mlp,cnn,transformer; training "
-                             "and monitor cnn,transformer)")
+                             "and monitor cnn,transformer); for the real-models suite from bert, "
+                             "bert_lora, gpt2, gpt2_lora, gemma, gemma_lora, mobilenet_v3_small, "
+                             "efficientnet_v2_b0 (default: all)")
     parser.add_argument("--batch-sizes", type=_csv(int), default=None,
                         help="engine batch sizes, comma-separated (default: per model: 64,256 "
                              "for mlp, cnn, transformer; 128 for resnet, mobilenet, gru; 256 "
@@ -47,21 +51,32 @@ def add_parser(commands) -> None:
     parser.add_argument("--suites", type=_csv(str), default=("engine",),
                         help=f"which benchmarks, comma-separated from {','.join(SUITES)} "
                              "(default: engine)")
-    parser.add_argument("--backend", choices=("tensorflow", "jax"), default=None,
+    parser.add_argument("--backend", choices=("tensorflow", "jax", "torch"), default=None,
                         help="the Keras backend to benchmark (default: KERAS_BACKEND, else "
                              "tensorflow); on jax the engine suite also times the DP training "
-                             "step against plain Keras and, if installed, JAX Privacy")
+                             "step against plain Keras and, if installed, JAX Privacy; the "
+                             "real-models suite runs on every backend, the others on "
+                             "tensorflow")
     parser.add_argument("--json", default=None, metavar="PATH", help="also write rows as JSON")
 
 
 def run(args: argparse.Namespace) -> int:
     backend = args.backend or os.environ.get("KERAS_BACKEND", "tensorflow")
+    if set(args.suites) <= set(EVERY_BACKEND) and backend in ("jax", "torch"):
+        return _run_on(backend, args)
     if backend == "jax":
         return _run_jax(args)
-    from pergrad.bench import engine, jacobian, label_errors, monitor, training
+    if backend == "torch":
+        print(f"pergrad bench: error: on the torch backend only {', '.join(EVERY_BACKEND)} runs "
+              "(--suites real-models)", file=sys.stderr)
+        return 2
+    from pergrad.bench import engine, jacobian, label_errors, monitor, real_models, training
     from pergrad.bench.models import MODELS
 
-    unknown = [m for m in args.models or () if m not in MODELS]
+    names = {suite: real_models.MODELS if suite == "real-models" else MODELS
+             for suite in ("engine", *MODEL_SUITES)}
+    unknown = sorted({m for m in args.models or () for suite in args.suites
+                      if suite in names and m not in names[suite]})
     bad_suites = [s for s in args.suites if s not in SUITES]
     if unknown or bad_suites or any(b < 1 for b in args.batch_sizes or ()):
         what = (f"unknown models {unknown}" if unknown else f"unknown suites {bad_suites}"
@@ -77,7 +92,7 @@ def run(args: argparse.Namespace) -> int:
             print(engine.markdown(rows))
         else:
             module = {"training": training, "monitor": monitor, "jacobian": jacobian,
-                      "label-errors": label_errors}[suite]
+                      "label-errors": label_errors, "real-models": real_models}[suite]
             chosen = {"models": args.models} if args.models and suite in MODEL_SUITES else {}
             rows = module.run(quick=args.quick, **chosen)
             print(module.markdown(rows))
@@ -85,6 +100,30 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         with open(args.json, "w") as handle:
             json.dump(results, handle, indent=1)
+    return 0
+
+
+def _run_on(backend: str, args: argparse.Namespace) -> int:
+    """The backend-neutral suites (``EVERY_BACKEND``) on JAX or PyTorch, in this process."""
+    if "keras" in sys.modules and sys.modules["keras"].backend.backend() != backend:
+        print(f"pergrad bench: error: Keras is already running on another backend; run with "
+              f"KERAS_BACKEND={backend}", file=sys.stderr)
+        return 2
+    os.environ["KERAS_BACKEND"] = backend
+    if backend == "jax":
+        import jax
+        jax.config.update("jax_enable_x64", True)  # DP noise keys are 64-bit
+    from pergrad.bench import real_models
+
+    unknown = [m for m in args.models or () if m not in real_models.MODELS]
+    if unknown:
+        print(f"pergrad bench: error: unknown models {unknown}", file=sys.stderr)
+        return 2
+    print(f"# real-models ({backend})", flush=True)
+    rows = real_models.run(quick=args.quick, models=args.models, echo=True)
+    if args.json:
+        with open(args.json, "w") as handle:
+            json.dump({"real-models": rows}, handle, indent=1)
     return 0
 
 
