@@ -95,3 +95,37 @@ def test_a_logical_batch_never_spans_two_epochs():
                     loss=LOSS)
     with pytest.raises(ValueError, match="8 micro-batches, which gradient_accumulation_steps=3"):
         private.fit(x, y, batch_size=8, epochs=1, verbose=0)
+
+
+def test_poisson_logical_batches_in_micro_batches():
+    """``poisson_batches(micro_batches=k)``: each Poisson-sampled logical batch comes as ``k``
+    micro-batches that together are the batch sampled without the split (same seed); trained
+    with ``gradient_accumulation_steps=k`` and ``dp_mean(expected_batch_size=B)``, the noise
+    stream and ``PrivacyCallback`` count the logical batches, and the epsilon is the
+    accountant's for ``B``."""
+    from pergrad.privacy import poisson_batches
+
+    x, y = _data(64)
+    whole = list(poisson_batches(x, y, batch_size=16, seed=5, max_batch_size=32))
+    parts = poisson_batches(x, y, batch_size=16, seed=5, max_batch_size=32, micro_batches=4)
+    assert int(parts.cardinality()) == 4 * len(whole) == 16
+    micro = list(parts)
+    assert all(tuple(b[0].shape) == (8, 5) for b in micro)
+    for i, (xb, yb, wb) in enumerate(whole):
+        for got, want in zip(zip(*micro[4 * i:4 * i + 4], strict=True), (xb, yb, wb),
+                             strict=True):
+            np.testing.assert_array_equal(np.concatenate([np.asarray(g) for g in got]),
+                                          np.asarray(want))
+    with pytest.raises(ValueError, match="not a multiple of micro_batches=4"):
+        poisson_batches(x, y, batch_size=16, max_batch_size=30, micro_batches=4)
+
+    private = pergrad.keras.PerExampleModel(
+        _model(), aggregate.dp_mean(1.0, 1.1, seed=3, expected_batch_size=16))
+    private.compile(optimizer=keras.optimizers.SGD(0.1, gradient_accumulation_steps=4),
+                    loss=LOSS)
+    callback = pergrad.keras.PrivacyCallback(64, 16, 1.1, 1e-5)
+    history = private.fit(parts, epochs=2, callbacks=[callback], verbose=0)
+    assert callback.steps == 8  # 2 epochs of 4 logical batches
+    assert int(keras.ops.convert_to_numpy(private.noise_state.value)[1]) == 8
+    expected = pergrad.privacy.epsilon(64, 16, 1.1, 2, 1e-5)
+    assert history.history["epsilon"][-1] == pytest.approx(expected, rel=1e-9)

@@ -67,6 +67,7 @@ def poisson_batches(
     epochs: float = 1,
     max_batch_size: int | None = None,
     with_indices: bool = False,
+    micro_batches: int = 1,
 ) -> tf.data.Dataset:
     """A ``tf.data.Dataset`` of Poisson-sampled batches, padded to a static size.
 
@@ -126,6 +127,14 @@ def poisson_batches(
         ``ceil(frac(epochs) * N / batch_size)`` steps). Keep ``1`` with ``fit(epochs=E)``, which
         re-iterates the dataset each epoch.
       max_batch_size: static padded batch size; default :func:`default_max_batch_size`.
+      micro_batches: ``k``, for logical batches larger than memory holds: every Poisson batch
+        (a *logical* batch) is yielded as ``k`` consecutive micro-batches of
+        ``max_batch_size / k`` rows (real rows first, then padding), to train with an optimizer
+        whose ``gradient_accumulation_steps`` is ``k`` and ``dp_mean(expected_batch_size=
+        batch_size)``: ``PerExampleModel`` sums the ``k`` micro-batches' clipped gradients and
+        draws the noise once per logical batch (:mod:`pergrad.keras.logical_batches`), and the
+        accountant counts the ``steps`` logical batches. The default ``max_batch_size`` is
+        rounded up to a multiple of ``k``; a given one must be a multiple of ``k``.
       with_indices: also yield an ``int64`` tensor of shape ``(max_batch_size,)`` holding each
         row's example index into ``x`` (``-1`` for padding), for per-example statistics. Elements
         then have four components, which ``Model.fit`` does not accept; drop it with
@@ -134,7 +143,8 @@ def poisson_batches(
     Returns:
       A dataset of ``(x_batch, y_batch, sample_weight_batch)`` (plus ``indices`` with
       ``with_indices=True``), each with leading dimension ``max_batch_size``; ``y_batch`` is
-      ``None`` when ``y`` is. Its cardinality is ``steps``.
+      ``None`` when ``y`` is. Its cardinality is ``steps`` (``k steps`` micro-batches of
+      ``max_batch_size / k`` rows with ``micro_batches=k``).
     """
     batch_size = _as_int(batch_size, "poisson_batches: batch_size", 1)
     _as_epochs(epochs, "poisson_batches: epochs")
@@ -180,9 +190,14 @@ def poisson_batches(
     q = batch_size / n
     steps_per_epoch = math.ceil(n / batch_size)
     steps = dp_sgd_steps(n, batch_size, epochs)
+    parts = _as_int(micro_batches, "poisson_batches: micro_batches", 1)
     if max_batch_size is None:
-        max_batch_size = default_max_batch_size(n, q, steps)
+        max_batch_size = -(-default_max_batch_size(n, q, steps) // parts) * parts
     m = _as_int(max_batch_size, "poisson_batches: max_batch_size", 1)
+    if m % parts:
+        raise ValueError(
+            f"poisson_batches: max_batch_size={m} is not a multiple of micro_batches={parts}: "
+            "every logical batch is split into micro-batches of equal size.")
     overflow_message = (
         f"poisson_batches: a Poisson batch sampled more than max_batch_size={m} examples "
         f"(N={n}, q={q:.6g}, expected {batch_size}, {steps_per_epoch} steps per epoch). "
@@ -218,6 +233,17 @@ def poisson_batches(
     # One random int64 key per step. ``rerandomize_each_iteration`` makes every new pass over
     # the dataset (every Keras epoch) draw fresh keys, reproducibly for a given seed.
     keys = tf.data.Dataset.random(seed=seed, rerandomize_each_iteration=True).take(steps)
-    return keys.map(sample, num_parallel_calls=tf.data.AUTOTUNE, deterministic=True).prefetch(
-        tf.data.AUTOTUNE
-    )
+    batches = keys.map(sample, num_parallel_calls=tf.data.AUTOTUNE, deterministic=True)
+    if parts > 1:
+        size = m // parts
+
+        def split(*batch):
+            def rows(t, j):  # micro-batch j of one component, its static shape kept
+                return None if t is None else tf.reshape(t, [parts, size, *t.shape[1:]])[j]
+
+            return tf.data.Dataset.range(parts).map(
+                lambda j: tf.nest.map_structure(lambda t: rows(t, j), batch))
+
+        batches = batches.flat_map(split).apply(
+            tf.data.experimental.assert_cardinality(steps * parts))
+    return batches.prefetch(tf.data.AUTOTUNE)
