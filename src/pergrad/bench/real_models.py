@@ -11,9 +11,10 @@ For each model it prints the median time of the model's own batch gradient (the 
 gradient of the summed loss: ``tf.GradientTape``, ``jax.grad`` or ``torch.autograd``, through
 the engine's ``batch_gradient``) and, as ratios to it, pergrad's per-example ``norms`` and
 ``clipped_sum``; and the median time of a plain Keras training step (SGD, ``train_on_batch``)
-and, as a ratio to it, a ``PerExampleModel(dp_mean)`` step of the same model. All calls of one
-model are timed in turn, round after round, in the same process; nothing here asserts on a
-timing.
+and, as a ratio to it, a ``PerExampleModel(dp_mean)`` step of the same model; on JAX, when
+``jax-privacy`` is installed, also JAX Privacy 2.0's ``keras_api.make_private`` step of the same
+model (its per-example gradients by ``vmap`` of the whole model). All calls of one model are
+timed in turn, round after round, in the same process; nothing here asserts on a timing.
 
     python benchmarks/bench_real_models.py [--quick] [--models bert_lora,gemma_lora]
     pergrad bench --suites real-models              # the same, from the command line
@@ -145,12 +146,31 @@ def _engine_calls(name: str, batch: int) -> dict[str, Callable[[], object]]:
             "clipped_sum": lambda: pex.clipped_sum(x, y, 1.0)}
 
 
+def _jax_privacy():
+    """JAX Privacy's Keras API where it can run (the JAX backend, the package installed)."""
+    if keras.backend.backend() != "jax":
+        return None
+    try:
+        from jax_privacy import keras_api
+    except ImportError:
+        return None
+    return keras_api
+
+
 def _step_calls(name: str, batch: int) -> dict[str, Callable[[], object]]:
+    keras_api = _jax_privacy()
+    variants = ("keras step", "dp_mean step") + (("jax_privacy step",) if keras_api else ())
     calls = {}
-    for variant in ("keras step", "dp_mean step"):
+    for variant in variants:
         model, x, y = _built(name, batch)
         if variant == "dp_mean step":
             model = PerExampleModel(model, aggregate.dp_mean(1.0, 1.1, seed=0))
+        elif variant == "jax_privacy step":
+            config = keras_api.DPKerasConfig(
+                epsilon=8.0, delta=1e-5, clipping_norm=1.0, batch_size=batch,
+                gradient_accumulation_steps=1, train_steps=1000, train_size=1000 * batch,
+                noise_multiplier=1.1)
+            model = keras_api.make_private(model, config)
         model.compile(optimizer=keras.optimizers.SGD(1e-3), loss=LOSS)
         calls[variant] = lambda m=model, x=x, y=y: m.train_on_batch(x, y)
     return calls
@@ -173,7 +193,9 @@ def run(quick: bool = False, models: tuple[str, ...] | None = None,
                      "norms": engine["norms"] / engine["batch gradient"],
                      "clipped_sum": engine["clipped_sum"] / engine["batch gradient"],
                      "keras_step_s": steps["keras step"],
-                     "dp_step": steps["dp_mean step"] / steps["keras step"]})
+                     "dp_step": steps["dp_mean step"] / steps["keras step"],
+                     "jax_privacy_step": (steps["jax_privacy step"] / steps["keras step"]
+                                          if "jax_privacy step" in steps else None)})
         if echo:
             print(markdown(rows[-1:], header=len(rows) == 1), flush=True)
     return rows
@@ -181,13 +203,14 @@ def run(quick: bool = False, models: tuple[str, ...] | None = None,
 
 def markdown(rows: list[dict], header: bool = True) -> str:
     lines = (["| model | backend | batch | batch gradient (ms) | norms | clipped sum "
-              "| Keras step (ms) | dp_mean step |",
-              "|---|---|---:|---:|---:|---:|---:|---:|"] if header else [])
+              "| Keras step (ms) | dp_mean step | JAX Privacy step |",
+              "|---|---|---:|---:|---:|---:|---:|---:|---:|"] if header else [])
     for r in rows:
+        theirs = r.get("jax_privacy_step")
         lines.append(f"| {r['model']} | {r['backend']} | {r['batch']} | "
                      f"{1000 * r['batch_gradient_s']:.1f} | {r['norms']:.2f}x | "
                      f"{r['clipped_sum']:.2f}x | {1000 * r['keras_step_s']:.1f} | "
-                     f"{r['dp_step']:.2f}x |")
+                     f"{r['dp_step']:.2f}x | {'-' if theirs is None else f'{theirs:.2f}x'} |")
     return "\n".join(lines)
 
 
