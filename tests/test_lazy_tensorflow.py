@@ -31,9 +31,9 @@ def test_lazy_module_does_not_import_for_dunder_probes():
 
 @pytest.mark.parametrize("backend", ["jax", "torch"])
 def test_workflows_on_other_backends_never_import_tensorflow(backend):
-    """In a fresh process on ``backend``: PerExample and the noiseless aggregators; on JAX also
-    stats, PerExampleModel.fit with dp_mean, the monitor, the privacy callback, accounting and
-    Jacobians (tests/without_tensorflow.py)."""
+    """In a fresh process on ``backend``: PerExample, the aggregators, PerExampleModel.fit with
+    dp_mean and the privacy callback; on JAX also stats, the monitor, accounting and Jacobians
+    (tests/without_tensorflow.py)."""
     pytest.importorskip(backend)
     env = dict(os.environ, KERAS_BACKEND=backend)
     [result] = run_bounded([[sys.executable, str(HERE / "without_tensorflow.py")]],

@@ -5,7 +5,8 @@ The Gaussian mechanism's accounting assumes untruncated noise; a sampler that ca
 ``C`` with probability ``P(Z > cut - 1/sigma)`` per release, which no accountant counts.
 TensorFlow's ``stateless_normal`` stops at 5.68 (it clamps its uniform at 1e-7), JAX's float32
 ``normal`` at +5.22 and -5.42. pergrad's draw (:func:`pergrad.aggregate.noise.gaussian_noise`)
-reaches ``sqrt(2 * 54 ln 2) = 8.65`` by the Box-Muller transform (TensorFlow, PyTorch) and
+reaches ``sqrt(2 * 54 ln 2) = 8.65`` by the Box-Muller transform (TensorFlow; PyTorch on
+NumPy's Philox) and
 ``-ndtri(2^-65) = 9.16`` by the inverse CDF (JAX).
 """
 
@@ -80,43 +81,44 @@ def test_the_draw_reaches_the_far_tail(monkeypatch):
                 np.testing.assert_allclose(drawn, expected, rtol=rtol, atol=1e-7)
         assert INVERSE_CDF_CUT > 9.1
         return
-    import tensorflow as tf  # TensorFlow, and PyTorch, which draws TensorFlow's numbers
-
-    monkeypatch.setattr(tf.random, "stateless_uniform",
-                        lambda shape, seed, minval=0, maxval=None, dtype=tf.float32:
-                        tf.zeros(shape, dtype))
-    # PyTorch's draws are compiled once per set of shapes: trace this one with the patch, and
-    # forget it afterwards.
-    noise._tensorflow_draws.cache_clear()
-    try:
+    if backend.is_torch():  # NumPy's Philox words and angles, all zero
+        monkeypatch.setattr(noise, "_radius_words_and_angles", lambda generator, pairs, dtype: (
+            np.zeros(pairs, np.uint64), np.zeros(pairs, dtype)))
         (drawn,) = _draw([np.zeros((4, 3), "float64")], 1.0)
-    finally:
-        noise._tensorflow_draws.cache_clear()
+    else:
+        import tensorflow as tf
+
+        monkeypatch.setattr(tf.random, "stateless_uniform",
+                            lambda shape, seed, minval=0, maxval=None, dtype=tf.float32:
+                            tf.zeros(shape, dtype))
+        (drawn,) = _draw([np.zeros((4, 3), "float64")], 1.0)
     flat = drawn.ravel()
     np.testing.assert_allclose(flat[:6], BOX_MULLER_CUT, rtol=1e-12)
     np.testing.assert_allclose(flat[6:], 0.0, atol=1e-12)
     assert BOX_MULLER_CUT > 8.6
 
 
-def test_pytorch_draws_tensorflows_numbers():
-    """PyTorch's draw (one compiled TensorFlow function per set of shapes) gives, for the same
-    key, the numbers of TensorFlow's eager draw: ``stddev`` times :func:`_tensorflow_normal` of
-    each value's shape from ``stateless_split(key)``, in each value's dtype. (Half precision:
-    TensorFlow multiplies by ``stddev`` in float16, PyTorch in float32 before casting, so the
-    two may differ there by the last bit.)"""
-    if backend.is_jax():
-        pytest.skip("JAX draws its own numbers (the inverse CDF), not TensorFlow's")
-    import tensorflow as tf
+def test_pytorch_draws_from_the_whole_128_bit_key_without_tensorflow():
+    """PyTorch's draw is :func:`noise.host_normal` from NumPy's Philox stream keyed by the whole
+    ``[seed, counter]``, the values one after another, in each value's dtype (half precision
+    drawn in float32). Keys that differ only above bit 32 of the seed or of the counter draw
+    different numbers: ``torch.Generator`` keeps 32 bits of a seed, and keys folded into it
+    would repeat noise."""
+    if not backend.is_torch():
+        pytest.skip("the PyTorch draw; TensorFlow and JAX draw on the device")
 
     values = [np.zeros((3, 5), "float32"), np.zeros((7,), "float64"), np.zeros((), "float32"),
               np.zeros((2, 2), "float16")]
-    for counter in (0, 1):
-        drawn = _draw(values, 1.7, counter)
-        keys = tf.random.experimental.stateless_split(
-            tf.constant([12345, counter], tf.int64), num=len(values))
-        for k, (d, v) in enumerate(zip(drawn, values, strict=True)):
-            half_in_float32 = v.dtype == np.float16 and backend.is_torch()
-            wide = "float32" if half_in_float32 else str(v.dtype)
-            expected = (1.7 * noise._tensorflow_normal(list(v.shape), keys[k], wide)).numpy()
-            assert d.dtype == v.dtype and d.shape == v.shape
-            np.testing.assert_array_equal(d, expected.astype(v.dtype))
+    drawn = _draw(values, 1.7)
+    generator = noise.host_generator(np.array([12345, 0], np.int64))
+    for d, v in zip(drawn, values, strict=True):
+        wide = "float64" if v.dtype == np.float64 else "float32"
+        expected = noise.host_normal(generator, v.shape, wide, 1.7)
+        assert d.dtype == v.dtype and d.shape == v.shape
+        np.testing.assert_array_equal(d, expected.astype(v.dtype))
+    first = _draw([np.zeros((64,), "float32")], 1.0)[0]
+    for seed, counter in [(12345 + 2**32, 0), (12345 + 2**40, 0), (12345, 2**32),
+                          (12345, 2**40), (12345, 1)]:
+        key = keras.ops.convert_to_tensor(np.array([seed, counter], np.int64))
+        (other,) = noise.gaussian_noise(key, [keras.ops.zeros((64,))], 1.0)
+        assert not np.allclose(keras.ops.convert_to_numpy(other), first), (seed, counter)

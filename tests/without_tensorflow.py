@@ -1,8 +1,8 @@
 """Run by tests/test_lazy_tensorflow.py with KERAS_BACKEND=jax or torch: pergrad's workflows
 there must never import TensorFlow. On JAX: per-example gradients, training with DP aggregation,
-the monitor and the privacy callback, statistics, accounting, Jacobians. On PyTorch: what is
-ported without DP noise (per-example gradients and the noiseless aggregators; DP noise is drawn
-with TensorFlow's generator there, on purpose). Exits 1 naming where it was first looked up."""
+the monitor and the privacy callback, statistics, accounting, Jacobians. On PyTorch:
+per-example gradients, the aggregators and DP training with the privacy callback (its noise
+drawn by NumPy's Philox). Exits 1 naming where it was first looked up."""
 
 from __future__ import annotations
 
@@ -59,6 +59,15 @@ pex.dot(x, y, [np.ones(v.shape, "float32") for v in model.trainable_variables])
 result = pex.compute(x, y)
 aggregate.clip_mean(1.0)(result)
 aggregate.median()(result)
+
+# DP training with the privacy callback: JAX draws its noise with threefry, PyTorch with
+# NumPy's Philox; neither needs TensorFlow.
+trained = pergrad.keras.PerExampleModel(build(), aggregate.dp_mean(1.0, 1.0, seed=0,
+                                                                    expected_batch_size=8))
+trained.compile(optimizer="adam", loss=loss)
+trained.fit(x, y, batch_size=8, epochs=1, verbose=0,
+            callbacks=[pergrad.keras.PrivacyCallback(32, 8, 1.0, delta=1e-5, verbose=0)])
+aggregate.dp_mean(1.0, 1.0, seed=1)(result)
 
 if keras.backend.backend() == "jax":
     pergrad.stats.gradient_statistics(pex, x, y)

@@ -21,7 +21,6 @@ only one stream (:meth:`NoiseSource.claim` refuses a second).
 
 from __future__ import annotations
 
-import functools
 import random
 import weakref
 from typing import Any
@@ -111,8 +110,9 @@ def gaussian_noise(key, values: list, stddev: float) -> list:
     """``N(0, stddev^2 I)`` shaped like each of ``values``, one independent draw per tensor,
     all derived from the one ``key`` (stateless: the same key gives the same numbers).
 
-    TensorFlow (and PyTorch, which draws TensorFlow's numbers) uses the Box-Muller transform
-    from a key per tensor: with ``u`` uniform on ``(0, 1]`` and ``a`` uniform on ``[0, 1)``,
+    TensorFlow and PyTorch use the Box-Muller transform (TensorFlow from a key per tensor,
+    PyTorch from NumPy's Philox stream keyed by the whole key: :func:`_torch_gaussian_noise`);
+    with ``u`` uniform on ``(0, 1]`` and ``a`` uniform on ``[0, 1)``,
     ``r = sqrt(-2 ln u)`` and ``(r cos 2 pi a, r sin 2 pi a)`` are two independent standard
     normals. ``u`` has :data:`RADIUS_BITS` random bits and its logarithm is taken in float64,
     so a draw reaches 8.65 standard deviations (its tail is cut where
@@ -215,39 +215,63 @@ def _jax_normal(key, shape: tuple, dtype) -> Any:
 
 
 def _torch_gaussian_noise(key, values: list, stddev: float) -> list:
-    """PyTorch: TensorFlow's draw (:func:`_tensorflow_normal`) with the same split keys (the
-    same numbers as on TensorFlow for the same key), made on the host by one compiled
-    TensorFlow function per set of shapes (:func:`_tensorflow_draws`) and copied to each
-    value's device."""
+    """PyTorch: :func:`gaussian_noise`'s Box-Muller draw made on the host by NumPy's Philox
+    generator keyed by the whole 128-bit ``[seed, counter]`` (:func:`host_generator`), the values
+    drawn one after another from that stream and copied to each value's device; no TensorFlow.
+
+    Not ``torch.Generator``: its CPU generator (MT19937) keeps only the low 32 bits of a seed
+    (``manual_seed(5)``, ``manual_seed(5 + 2**32)`` and ``manual_seed(5 + 2**40)`` draw the same
+    numbers in torch 2.13), so any folding of a 62-bit seed and a 64-bit counter into its seed
+    would repeat noise across steps or streams. Philox4x64 takes the key as it is: two keys
+    never share a stream, the same key gives the same numbers."""
     import torch
 
-    key = np.asarray(check_key(key).detach().cpu())
-    # NumPy has no bfloat16 torch can read: half precision is drawn in float32 and cast in torch.
-    signature = tuple((tuple(int(n) for n in v.shape),
-                       "float32" if keras.backend.standardize_dtype(v.dtype) in (
-                           "float16", "bfloat16") else keras.backend.standardize_dtype(v.dtype))
-                      for v in values)
-    draws = _tensorflow_draws(signature)(key, np.float64(stddev))
-    return [torch.from_numpy(np.asarray(draw.numpy())).to(device=v.device, dtype=v.dtype)
-            for draw, v in zip(draws, values, strict=True)]
+    generator = host_generator(np.asarray(check_key(key).detach().cpu()))
+    out = []
+    for v in values:
+        dtype = keras.backend.standardize_dtype(v.dtype)
+        # NumPy has no bfloat16 torch can read: half precision is drawn in float32 and cast.
+        wide = "float64" if dtype == "float64" else "float32"
+        draw = host_normal(generator, tuple(int(n) for n in v.shape), wide, stddev)
+        out.append(torch.from_numpy(draw).to(device=v.device, dtype=v.dtype))
+    return out
 
 
-@functools.lru_cache(maxsize=64)
-def _tensorflow_draws(signature: tuple) -> Any:
-    """A ``tf.function`` of ``(key, stddev)`` drawing ``stddev`` times :func:`_tensorflow_normal`
-    for each ``(shape, dtype)`` of ``signature``, from ``stateless_split(key)``: the ops of
-    the eager draw, run as one graph (the benchmark CNN's eight variables: 12.4 ms eagerly,
-    1.0 ms compiled; the MLP's 670k values: 26.5 against 5.2 ms). Traced once per set of
-    shapes; the key and ``stddev`` are arguments, so neither is a constant of the graph."""
-    import tensorflow as tf
+def host_generator(key: np.ndarray) -> np.random.Generator:
+    """NumPy's counter-based Philox4x64 generator keyed by ``key = [seed, counter]`` (128 bits,
+    each ``int64`` word taken as its unsigned bit pattern), at the start of its stream."""
+    words = np.asarray(key, np.int64).view(np.uint64)
+    return np.random.Generator(np.random.Philox(key=words))
 
-    @tf.function(input_signature=[tf.TensorSpec([2], tf.int64), tf.TensorSpec([], tf.float64)])
-    def draws(key, stddev):
-        keys = tf.random.experimental.stateless_split(key, num=len(signature))
-        return [tf.cast(stddev, dtype) * _tensorflow_normal(list(shape), keys[k], dtype)
-                for k, (shape, dtype) in enumerate(signature)]
 
-    return draws
+def host_normal(generator: np.random.Generator, shape: tuple, dtype: str,
+                stddev: float = 1.0) -> np.ndarray:
+    """``stddev`` times standard normals of ``shape`` in ``dtype`` (float32 or float64) by
+    :func:`gaussian_noise`'s Box-Muller transform on NumPy: radius words with
+    :data:`RADIUS_BITS` random bits (their logarithm in float64, so the tail reaches 8.65
+    standard deviations), angles uniform on ``[0, 1)``; cosine halves first, then sine halves."""
+    count = int(np.prod(shape, dtype=np.int64))
+    pairs = (count + 1) // 2
+    words, angles = _radius_words_and_angles(generator, pairs, dtype)
+    u = (words >> np.uint64(64 - RADIUS_BITS)).astype(np.float64)
+    u += 0.5
+    u *= 2.0 ** -RADIUS_BITS
+    radius = np.log(u, out=u)
+    radius *= -2.0 * stddev * stddev
+    radius = np.sqrt(radius.astype(dtype), dtype=dtype)
+    angles *= np.asarray(2.0 * np.pi, dtype)
+    out = np.empty(2 * pairs, dtype)
+    np.multiply(radius, np.cos(angles), out=out[:pairs])
+    np.multiply(radius, np.sin(angles, out=angles), out=out[pairs:])
+    return out[:count].reshape(shape)
+
+
+def _radius_words_and_angles(generator: np.random.Generator, pairs: int,
+                             dtype: str) -> tuple[np.ndarray, np.ndarray]:
+    """``pairs`` raw 64-bit words and ``pairs`` uniforms on ``[0, 1)`` in ``dtype``, in this
+    order from ``generator``."""
+    return (generator.bit_generator.random_raw(pairs),
+            generator.random(pairs, dtype=np.dtype(dtype)))
 
 
 def check_key(key) -> Any:
