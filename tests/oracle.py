@@ -16,7 +16,7 @@ def take(structure, i: int):
                                     structure)
 
 
-def _jax_loop_gradients(model, loss_fn, x, y, sample_weight, training):
+def _jax_loop_gradients(model, loss_fn, x, y, sample_weight, training, compiled=False):
     import jax
 
     batch = len(keras.tree.flatten(x)[0])
@@ -24,15 +24,21 @@ def _jax_loop_gradients(model, loss_fn, x, y, sample_weight, training):
     frozen = [v.value for v in model.non_trainable_variables]
     grads = [np.zeros((batch, *v.shape)) for v in variables]
     losses = np.zeros(batch)
+
+    def loss_of(values, xi, yi, wi):
+        kwargs = {"training": training} if "training" in inspect.signature(model.call).parameters else {}
+        pred, _ = model.stateless_call(values, frozen, xi, **kwargs)
+        loss = ops.sum(loss_fn(yi, pred) if yi is not None else loss_fn(pred))
+        return loss if wi is None else loss * wi
+
+    # compiled: one jax.jit for every example (big models: eager JAX dispatches op by op)
+    value_and_grad = jax.value_and_grad(loss_of)
+    if compiled:
+        value_and_grad = jax.jit(value_and_grad)
     for i in range(batch):
-        def loss_of(values, i=i):
-            kwargs = {"training": training} if "training" in inspect.signature(model.call).parameters else {}
-            pred, _ = model.stateless_call(values, frozen, take(x, i), **kwargs)
-            loss = ops.sum(loss_fn(take(y, i), pred) if y is not None else loss_fn(pred))
-            if sample_weight is not None:
-                loss = loss * float(np.asarray(sample_weight)[i])
-            return loss
-        loss, g = jax.value_and_grad(loss_of)([v.value for v in variables])
+        wi = None if sample_weight is None else float(np.asarray(sample_weight)[i])
+        loss, g = value_and_grad([v.value for v in variables], take(x, i),
+                                 None if y is None else take(y, i), wi)
         for k, gk in enumerate(g):
             grads[k][i] = np.asarray(gk)
         losses[i] = float(loss)
@@ -60,14 +66,16 @@ def _torch_loop_gradients(model, loss_fn, x, y, sample_weight, training):
     return grads, losses
 
 
-def loop_gradients(model, loss_fn, x, y=None, sample_weight=None, training=False):
+def loop_gradients(model, loss_fn, x, y=None, sample_weight=None, training=False,
+                   compiled=False):
     """Per-example gradients ``(B, *var.shape)`` and losses ``(B,)`` by a Python loop.
 
     ``loss_fn(y_true, y_pred)`` must return the loss of the single example as a (1, ...) tensor;
-    it is summed to a scalar here.
+    it is summed to a scalar here. ``compiled``: on JAX, each example's gradient runs under one
+    ``jax.jit`` (faster for big models; still one example at a time).
     """
     if keras.backend.backend() == "jax":
-        return _jax_loop_gradients(model, loss_fn, x, y, sample_weight, training)
+        return _jax_loop_gradients(model, loss_fn, x, y, sample_weight, training, compiled)
     if keras.backend.backend() == "torch":
         return _torch_loop_gradients(model, loss_fn, x, y, sample_weight, training)
     import tensorflow as tf

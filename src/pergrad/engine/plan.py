@@ -57,13 +57,23 @@ def _sublayers(layer) -> list:
     return sublayers(layer, recursive=False)
 
 
+def _has_trainable(layer) -> bool:
+    """Whether any variable of ``layer`` or of its sublayers is trainable, as the model's
+    ``trainable_variables`` counts them. Not ``layer.trainable_variables``, which is empty for a
+    layer whose own ``trainable`` flag is off even when a sublayer's is on again: KerasHub's
+    ``Backbone.enable_lora`` freezes every layer, then sets ``trainable = True`` on the LoRA
+    targets alone (``query``, ``value``), inside frozen attention blocks."""
+    return any(v.trainable for v in layer.variables)
+
+
 def make_plan(model) -> Plan:
     """Plan the taps of a built Keras model (see the module docstring)."""
     plan = Plan()
     seen: set[int] = set()
 
     def visit(layer, top: bool) -> None:
-        if id(layer) in seen or not layer.trainable_variables:
+        trainable = layer.trainable_variables if top else _has_trainable(layer)
+        if id(layer) in seen or not trainable:
             return
         seen.add(id(layer))
         rule = find_rule(layer)

@@ -24,6 +24,8 @@ engine's zero perturbation, and the hook must compute the outputs from ``tap(tap
 
 from __future__ import annotations
 
+import importlib
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -80,8 +82,22 @@ def register(*layer_classes: type, splits_activation: bool = False,
     return decorate
 
 
+_OPTIONAL_RULES = {"keras_hub": "pergrad.rules.keras_hub"}  # package -> its rules' module
+_loaded_optional: set[str] = set()
+
+
+def _load_optional_rules() -> None:
+    """Import the rule modules of optional packages (KerasHub) already imported by the user:
+    a model with their layers needs their rules, and pergrad never imports them itself."""
+    for package, module in _OPTIONAL_RULES.items():
+        if package not in _loaded_optional and package in sys.modules:
+            _loaded_optional.add(package)
+            importlib.import_module(module)
+
+
 def find_rule(layer: Any) -> Rule | None:
     """The rule for ``layer``, or ``None`` when it must take the generic rule."""
+    _load_optional_rules()
     for cls in type(layer).__mro__:
         rule = _RULES.get(cls)
         if rule is None:
@@ -102,6 +118,7 @@ def plain_weights(layer) -> bool:
 
 def registered_layer_classes() -> list[type]:
     """The layer classes that have a rule (a subclass that overrides ``call`` does not)."""
+    _load_optional_rules()
     return list(_RULES)
 
 

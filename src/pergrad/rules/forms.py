@@ -554,8 +554,9 @@ class Rows:
                                ops.cast(ops.not_equal(ids[:, 1:], ids[:, :-1]), ids.dtype)], 1)
         local = ops.cumsum(ops.cast(new, "int32"), axis=1) - 1
         segment = ops.arange(batch, dtype="int32")[:, None] * t + local
-        rows = ops.segment_sum(ops.reshape(d, [-1, d.shape[-1]]), ops.reshape(segment, [-1]),
-                               batch * t)
+        # pergrad's segment_sum: Keras's adds the rows in float32 on PyTorch (``data.float()``)
+        rows = segment_sum(ops.reshape(d, [-1, d.shape[-1]]), ops.reshape(segment, [-1]),
+                           batch * t)
         return row_squared_norms(ops.reshape(rows, [batch, -1]))
 
     def _squared_norms_pairwise(self) -> Tensor:
@@ -608,6 +609,16 @@ class Rows:
     def merged_with(self, other: Rows) -> Rows:
         return Rows(self.variable, ops.concatenate([self.ids, other.ids], 1),
                     ops.concatenate([self.d, other.d], 1))
+
+    def as_factored(self) -> Factored:
+        """The same gradients as a ``Factored`` form: ``g_i = sum_t onehot(ids_it)^T D_it``
+        (``A``: ``(B, T, 1, rows)``, ``D``: ``(B, T, 1, O)``), to merge with a ``Factored``
+        form of the same table (:func:`combine`)."""
+        batch = batch_size(self.ids)
+        ids = ops.reshape(ops.cast(self.ids, "int32"), [batch, -1])
+        a = ops.one_hot(ids, self.num_rows, dtype=dtype_of(self.d))
+        d = ops.reshape(self.d, [batch, -1, 1, self.d.shape[-1]])
+        return Factored(self.variable, ops.expand_dims(a, 2), d, tuple(self.variable.shape))
 
 
 class Scaled:
@@ -726,14 +737,34 @@ def dots_many(form: Form, vectors: list) -> list:
 
 
 def combine(forms: list[Form]) -> Form:
-    """The form of a variable used by several calls: merge like forms, else materialize and add."""
+    """The form of a variable used by several calls: merge like forms, else materialize and add.
+    A table read both as an embedding (``Rows``) and as a matmul kernel (``Factored`` over the
+    table's rows, a tied input/output embedding) merges as ``Factored``: its ``Rows`` are the
+    factors ``(one_hot(ids), D)`` (:meth:`Rows.as_factored`)."""
     result = forms[0]
     for form in forms[1:]:
+        result, form = _as_like_forms(result, form)
         if type(form) is type(result) and form.signature == result.signature:
             result = result.merged_with(form)
         else:
             result = Materialized(result.variable, result.materialize() + form.materialize())
     return result
+
+
+def _as_like_forms(first: Form, second: Form) -> tuple[Form, Form]:
+    """``(first, second)``, with a ``Rows`` form turned into ``Factored`` when the other is a
+    ``Factored`` form of the same table laid out as ``(rows, O)`` (one group, no permutation),
+    so that the two merge instead of materializing ``B x rows x O``."""
+    def fits(rows, factored) -> bool:
+        return (isinstance(rows, Rows) and type(factored) is Factored and factored.perm is None
+                and factored.natural_shape == tuple(rows.variable.shape)
+                and tuple(factored.a_shape[2:]) == (1, rows.num_rows)
+                and tuple(factored.d.shape[2:]) == (1, rows.d.shape[-1]))
+    if fits(first, second):
+        return first.as_factored(), second
+    if fits(second, first):
+        return first, second.as_factored()
+    return first, second
 
 
 def positions(dims) -> int:
