@@ -37,7 +37,7 @@ JAX_PAGES = (
 )
 JAX_PRELUDE = 'import jax\njax.config.update("jax_enable_x64", True)\n'
 # The pages whose examples are run on PyTorch too (the others have not been run there yet).
-TORCH_PAGES = ("README.md", "docs/jacobian.md")
+TORCH_PAGES = ("README.md", "docs/jacobian.md", "docs/fine_tuning.md")
 
 
 def python_blocks(page: Path) -> list[str]:

@@ -10,6 +10,10 @@ variable (see :mod:`pergrad.rules.forms`).
 A rule applies only to layers whose ``call`` is the registered class's own: a subclass that
 overrides ``call`` computes something else and gets the generic rule instead.
 
+Rules for the layers of optional packages (KerasHub: :mod:`pergrad.rules.keras_hub`) are
+registered the first time a rule is looked up after that package was imported; pergrad never
+imports it itself.
+
 **Forward hook.** Some layers compute the tensor whose gradient a rule needs inside a loop (the
 gate pre-activations of a recurrent layer), where no tape can reach it. A rule may then register
 ``forward(layer, args, kwargs, tap) -> (outputs, tapped, saved)``: while recording, the engine runs it
