@@ -6,6 +6,10 @@ import os
 import sys
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+if os.environ.get("KERAS_BACKEND") == "jax":
+    import jax
+
+    jax.config.update("jax_enable_x64", True)  # DP noise keys are 64-bit
 
 from pergrad.bench.real_models import main  # noqa: E402
 

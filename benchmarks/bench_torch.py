@@ -1,4 +1,4 @@
-"""pergrad on the PyTorch backend (CPU): norms, clipped sum and gradients against torch's own
+"""pergrad on the PyTorch backend (CPU or CUDA): norms, clipped sum and gradients against torch's own
 batch gradient of the same Keras model, and against the ``torch.func.vmap(grad)`` baseline;
 then ``PerExampleModel`` training steps against a plain Keras step.
 
@@ -36,13 +36,19 @@ from pergrad.bench import models  # noqa: E402
 LOSS = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
 
 
+def _finished(result) -> None:
+    """Wait for the kernels behind ``result`` on a GPU (CUDA runs them asynchronously)."""
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
 def _median_ms(fn, repeats: int) -> float:
     for _ in range(2):
-        fn()
+        _finished(fn())
     times = []
     for _ in range(repeats):
         start = time.perf_counter()
-        fn()
+        _finished(fn())
         times.append(time.perf_counter() - start)
     return 1e3 * statistics.median(times)
 
@@ -108,8 +114,9 @@ def main(argv: list[str] | None = None) -> int:
         torch.set_num_threads(args.threads)
     if keras.backend.backend() != "torch":
         parser.error("run with KERAS_BACKEND=torch")
-    print(f"torch {torch.__version__}, Keras {keras.__version__}, {platform.machine()}, "
-          f"{torch.get_num_threads()} threads\n")
+    device = (torch.cuda.get_device_name() if torch.cuda.is_available()
+              else f"{platform.machine()}, {torch.get_num_threads()} threads")
+    print(f"torch {torch.__version__}, Keras {keras.__version__}, {device}\n")
     if not args.skip_engine:
         print("| model | batch | batch gradient | pergrad norms | pergrad clipped_sum | "
               "pergrad gradients | vmap norms | vmap clipped_sum | vmap gradients |")

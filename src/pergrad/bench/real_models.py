@@ -133,7 +133,8 @@ def _built(name: str, batch: int, seed: int = 0):
     return builder(lora, batch, np.random.default_rng(seed))
 
 
-def _engine_calls(name: str, batch: int) -> dict[str, Callable[[], object]]:
+def _engine_calls(name: str, batch: int, skip: tuple[str, ...] = ()
+                  ) -> dict[str, Callable[[], object]]:
     model, x, y = _built(name, batch)
     model(x)
     pex = pergrad.PerExample(model, LOSS)
@@ -141,9 +142,10 @@ def _engine_calls(name: str, batch: int) -> dict[str, Callable[[], object]]:
     batch_gradient = pex.compiled(
         "batch_gradient",
         lambda x, y: engine.batch_gradient(model, loss_fn, x, y, None, False))
-    return {"batch gradient": lambda: batch_gradient(x, y),
-            "norms": lambda: pex.norms(x, y),
-            "clipped_sum": lambda: pex.clipped_sum(x, y, 1.0)}
+    calls = {"batch gradient": lambda: batch_gradient(x, y),
+             "norms": lambda: pex.norms(x, y),
+             "clipped_sum": lambda: pex.clipped_sum(x, y, 1.0)}
+    return {label: call for label, call in calls.items() if label not in skip}
 
 
 def _jax_privacy():
@@ -157,9 +159,11 @@ def _jax_privacy():
     return keras_api
 
 
-def _step_calls(name: str, batch: int) -> dict[str, Callable[[], object]]:
+def _step_calls(name: str, batch: int, skip: tuple[str, ...] = ()
+                ) -> dict[str, Callable[[], object]]:
     keras_api = _jax_privacy()
     variants = ("keras step", "dp_mean step") + (("jax_privacy step",) if keras_api else ())
+    variants = tuple(v for v in variants if v not in skip)
     calls = {}
     for variant in variants:
         model, x, y = _built(name, batch)
@@ -177,25 +181,34 @@ def _step_calls(name: str, batch: int) -> dict[str, Callable[[], object]]:
 
 
 def run(quick: bool = False, models: tuple[str, ...] | None = None,
-        batch_size: int | None = None, echo: bool = False) -> list[dict]:
+        batch_size: int | None = None, echo: bool = False,
+        skip: tuple[str, ...] = ()) -> list[dict]:
     """One row per model: median seconds of the batch gradient and the plain Keras step, and
     pergrad's norms, clipped sum and ``dp_mean`` step as ratios to them. ``quick``: batch 8,
-    3 rounds, the two LoRA models (a smoke run). ``echo``: print each row once measured."""
+    3 rounds, the two LoRA models (a smoke run). ``echo``: print each row once measured.
+    ``skip``: labels of calls not to time (``"norms"``, ``"clipped_sum"``, ``"dp_mean step"``,
+    ``"jax_privacy step"``; the two baselines are always timed); their cells print ``-``."""
+    unknown = set(skip) - {"norms", "clipped_sum", "dp_mean step", "jax_privacy step"}
+    if unknown:
+        raise ValueError(f"skip: unknown labels {sorted(unknown)}")
     models = models or (("bert_lora", "gemma_lora") if quick else tuple(MODELS))
     batch = batch_size or (8 if quick else DEFAULT_BATCH)
     rounds = 3 if quick else 10
     rows = []
     for name in models:
-        engine = alternating_medians(_engine_calls(name, batch), rounds)
-        steps = alternating_medians(_step_calls(name, batch), rounds)
+        engine = alternating_medians(_engine_calls(name, batch, skip), rounds)
+        steps = alternating_medians(_step_calls(name, batch, skip), rounds)
+
+        def ratio(medians, label, base):
+            return medians[label] / medians[base] if label in medians else None
+
         rows.append({"model": name, "backend": keras.backend.backend(), "batch": batch,
                      "batch_gradient_s": engine["batch gradient"],
-                     "norms": engine["norms"] / engine["batch gradient"],
-                     "clipped_sum": engine["clipped_sum"] / engine["batch gradient"],
+                     "norms": ratio(engine, "norms", "batch gradient"),
+                     "clipped_sum": ratio(engine, "clipped_sum", "batch gradient"),
                      "keras_step_s": steps["keras step"],
-                     "dp_step": steps["dp_mean step"] / steps["keras step"],
-                     "jax_privacy_step": (steps["jax_privacy step"] / steps["keras step"]
-                                          if "jax_privacy step" in steps else None)})
+                     "dp_step": ratio(steps, "dp_mean step", "keras step"),
+                     "jax_privacy_step": ratio(steps, "jax_privacy step", "keras step")})
         if echo:
             print(markdown(rows[-1:], header=len(rows) == 1), flush=True)
     return rows
@@ -205,12 +218,14 @@ def markdown(rows: list[dict], header: bool = True) -> str:
     lines = (["| model | backend | batch | batch gradient (ms) | norms | clipped sum "
               "| Keras step (ms) | dp_mean step | JAX Privacy step |",
               "|---|---|---:|---:|---:|---:|---:|---:|---:|"] if header else [])
+    def cell(value):
+        return "-" if value is None else f"{value:.2f}x"
+
     for r in rows:
-        theirs = r.get("jax_privacy_step")
         lines.append(f"| {r['model']} | {r['backend']} | {r['batch']} | "
-                     f"{1000 * r['batch_gradient_s']:.1f} | {r['norms']:.2f}x | "
-                     f"{r['clipped_sum']:.2f}x | {1000 * r['keras_step_s']:.1f} | "
-                     f"{r['dp_step']:.2f}x | {'-' if theirs is None else f'{theirs:.2f}x'} |")
+                     f"{1000 * r['batch_gradient_s']:.1f} | {cell(r['norms'])} | "
+                     f"{cell(r['clipped_sum'])} | {1000 * r['keras_step_s']:.1f} | "
+                     f"{cell(r['dp_step'])} | {cell(r.get('jax_privacy_step'))} |")
     return "\n".join(lines)
 
 
@@ -221,13 +236,21 @@ def main(argv: list[str] | None = None) -> int:
                         help=f"comma list from {','.join(MODELS)} (default: all)")
     parser.add_argument("--batch-size", type=int, default=None,
                         help=f"batch size (default {DEFAULT_BATCH}; --quick: 8)")
+    parser.add_argument("--skip", default="",
+                        help="comma list of calls not to time, from norms,clipped_sum,"
+                             "dp_mean step,jax_privacy step")
     parser.add_argument("--json", metavar="PATH", help="also write the rows as JSON")
     args = parser.parse_args(argv)
+    skip = tuple(label for label in args.skip.split(",") if label)
     models = tuple(m for m in (args.models or "").split(",") if m) or None
     unknown = [m for m in models or () if m not in MODELS]
     if unknown or (args.batch_size is not None and args.batch_size < 1):
         parser.error(f"unknown models {unknown}" if unknown else "--batch-size must be positive")
-    rows = run(quick=args.quick, models=models, batch_size=args.batch_size, echo=True)
+    try:
+        rows = run(quick=args.quick, models=models, batch_size=args.batch_size, echo=True,
+                   skip=skip)
+    except ValueError as error:
+        parser.error(str(error))
     if args.json:
         with open(args.json, "w") as handle:
             json.dump(rows, handle, indent=2)

@@ -50,15 +50,29 @@ def print_ratios(title: str, medians: dict[str, float], base: str) -> None:
 
 
 def _to_host(result) -> None:
-    """Wait for ``result`` and view it as NumPy arrays, without copying where the backend
-    allows (TensorFlow and PyTorch CPU tensors; JAX arrays wait for their computation).
+    """Wait for ``result``: on an accelerator until its kernels are done (JAX's
+    ``block_until_ready``, CUDA's synchronize), copying nothing; on the CPU by viewing it as
+    NumPy arrays, without copying where the backend allows (TensorFlow and PyTorch CPU
+    tensors; JAX arrays wait for their computation).
 
     Not ``tensor.numpy()``: on TensorFlow that copies, and a timed call that returns per-example
     gradients (686 MB for the MLP at batch 256) then measured mostly the copy (docs/benchmarks.md,
-    "Route measurements")."""
+    "Route measurements"). On a GPU the same copy would cross the bus."""
     import keras
     import numpy as np
 
+    backend = keras.backend.backend()  # a benchmark helper: each backend waits its own way
+    if backend == "jax":
+        import jax
+
+        jax.block_until_ready(result)
+        return
+    if backend == "torch":
+        import torch
+
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+            return
     keras.tree.map_structure(np.asarray, result)
 
 
