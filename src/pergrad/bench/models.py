@@ -47,8 +47,11 @@ def transformer(d: int = 128, heads: int = 4, seq: int = 64, vocab: int = 1000,
     """Token embedding + learned positions, ``blocks`` pre-LN transformer blocks (multi-head
     attention, GELU MLP of width 4d), mean pooling, Dense(10)."""
     ids = keras.Input((seq,), dtype="int32")
-    h = L.Embedding(vocab, d)(ids)
-    h = h + L.Embedding(seq, d)(np.arange(seq)[None])
+    # The positions come from the input, so the position table is part of the model (a
+    # constant array here would be embedded once, at construction, and never trained).
+    positions = L.Lambda(lambda t: keras.ops.zeros_like(t) + keras.ops.arange(seq, dtype=t.dtype),
+                         name="positions")(ids)
+    h = L.Embedding(vocab, d)(ids) + L.Embedding(seq, d)(positions)
     for _ in range(blocks):
         a = L.LayerNormalization()(h)
         h = h + L.MultiHeadAttention(heads, d // heads)(a, a)

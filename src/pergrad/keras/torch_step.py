@@ -64,8 +64,11 @@ def check_example_mixing(model, engine, x, y, sample_weight) -> list:
 
 
 def kept_rows(structure, counted):
-    """Only the rows where ``counted`` is true."""
-    return keras.tree.map_structure(lambda t: None if t is None else t[counted], structure)
+    """Only the rows where ``counted`` is true. Targets may arrive as NumPy arrays
+    (``train_on_batch``): they become tensors on ``counted``'s device first (a NumPy array
+    indexed by a CUDA mask fails)."""
+    return keras.tree.map_structure(
+        lambda t: None if t is None else ops.convert_to_tensor(t)[counted], structure)
 
 
 def apply(optimizer, grads: list, variables: list, trainable: list) -> None:
