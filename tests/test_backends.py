@@ -172,3 +172,43 @@ def test_dropout_inside_a_generic_layer_is_exact_for_the_mask_drawn(float64):
         expected = tape.gradient(total, values)
     for g, e in zip(grads, expected, strict=True):
         assert_close(np.sum(np.asarray(g), axis=0), e, rtol=1e-8)
+
+
+def _tensor_float_32_flags():
+    import torch
+
+    return torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32
+
+
+def test_example_mixing_check_runs_in_full_float32():
+    """On PyTorch with CUDA, cuDNN convolutions use TensorFloat-32 by default, and one example
+    alone and in a batch then differ by up to 4e-4 (an H200): over the mixing tolerance, so
+    every convolutional PerExampleModel was refused. The check's forward passes run with TF32
+    off, and the user's settings come back after it (a no-op elsewhere)."""
+    from pergrad.backend.ops import full_float32
+
+    if keras.backend.backend() != "torch":
+        with full_float32():
+            pass
+        return
+    import torch
+
+    saved = _tensor_float_32_flags()
+    seen = []
+
+    def record(t):
+        seen.append(_tensor_float_32_flags())
+        return t
+
+    try:
+        torch.backends.cudnn.allow_tf32 = torch.backends.cuda.matmul.allow_tf32 = True
+        model = keras.Sequential([keras.Input((4,)), keras.layers.Lambda(record),
+                                  keras.layers.Dense(2)])
+        seen.clear()
+        pex = pergrad.PerExample(model, keras.losses.MeanSquaredError())
+        x, y = np.ones((3, 4), "float32"), np.zeros((3, 2), "float32")
+        assert float(keras.ops.convert_to_numpy(pex.example_mixing(x, y))) < 1e-6
+        assert seen and all(flags == (False, False) for flags in seen), seen
+        assert _tensor_float_32_flags() == (True, True)
+    finally:
+        torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32 = saved

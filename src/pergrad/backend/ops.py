@@ -8,8 +8,9 @@ dynamic batch size after a retrace, the graph a cached tensor belongs to).
 
 from __future__ import annotations
 
+import contextlib
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import keras
@@ -253,3 +254,24 @@ def divide_no_nan(numerator: Any, denominator: Any) -> Any:
     zero = ops.equal(denominator, 0)
     safe = ops.where(zero, ops.ones_like(denominator), denominator)
     return ops.where(zero, ops.zeros_like(numerator * safe), numerator / safe)
+
+
+@contextlib.contextmanager
+def full_float32() -> Iterator[None]:
+    """Inside the block, float32 matrix products and convolutions round as float32 (24-bit
+    mantissa), not TensorFloat-32 (10-bit): on PyTorch with CUDA, where cuDNN convolutions use
+    TF32 by default, it turns TF32 off for cuDNN and CUDA matrix products and restores both
+    settings after. Elsewhere it does nothing (TensorFlow's and XLA's settings are left as the
+    user set them)."""
+    if not is_torch():
+        yield
+        return
+    import torch
+
+    saved = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+    try:
+        yield
+    finally:
+        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = saved
