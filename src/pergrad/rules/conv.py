@@ -92,8 +92,8 @@ def extract_patches(x, kernel_size, strides, dilation, padding: str):
     """Patches of channels-last ``x``: ``(B, out_1, ..., out_n, K, C)``, ``K`` in kernel order.
 
     One one-hot convolution (or TensorFlow's ``extract_patches``) for 1D and 2D inputs;
-    strided slices (one per kernel offset) for 3D, and on PyTorch for patches wider than
-    ``_IDENTITY_CONV_MAX_WIDTH`` (``K C``): its one-hot convolution multiplies by every one of
+    strided slices (one per kernel offset) for 3D, and on JAX and PyTorch for patches wider than
+    ``_IDENTITY_CONV_MAX_WIDTH`` (``K C``): their one-hot convolution multiplies by every one of
     the ``K C x K C`` weights, which the slices do not (measured: docs/benchmarks.md, "Route
     measurements").
     """
@@ -115,9 +115,12 @@ _IDENTITY_CONV_MAX_WIDTH = 128
 
 def patches_by_slices(width: int) -> bool:
     """Whether 1-D and 2-D patches ``width`` (``K C``) wide are gathered by strided slices
-    rather than a one-hot convolution: on PyTorch above ``_IDENTITY_CONV_MAX_WIDTH``
-    (:func:`extract_patches`)."""
-    return is_torch() and width > _IDENTITY_CONV_MAX_WIDTH
+    rather than a one-hot convolution: on JAX and PyTorch above ``_IDENTITY_CONV_MAX_WIDTH``
+    (:func:`extract_patches`; TensorFlow has its own ``extract_patches`` kernel there). XLA
+    does not turn the one-hot convolution into a gather on the CPU (docs/benchmarks.md, "Route
+    measurements": 14x slower than the slices on a 5x5 depthwise layer with 240 channels;
+    measured on the CPU only)."""
+    return not is_tensorflow() and width > _IDENTITY_CONV_MAX_WIDTH
 
 
 def _image_patches(x, kernel_size, strides, dilation, padding: str = "valid"):
@@ -132,7 +135,7 @@ def _image_patches(x, kernel_size, strides, dilation, padding: str = "valid"):
     if width > _IDENTITY_CONV_MAX_WIDTH and is_tensorflow():
         # Many input channels on TensorFlow: its extract_patches kernel beats the one-hot
         # convolution there (the one-hot one wins below this width, as for the 8x8x1 kernel of
-        # the benchmark CNN). XLA turns the one-hot convolution into a gather.
+        # the benchmark CNN).
         import tensorflow as tf
         patches = tf.image.extract_patches(x, [1, *kernel_size, 1], [1, *strides, 1],
                                            [1, *dilation, 1], padding.upper())

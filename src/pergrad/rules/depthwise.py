@@ -20,6 +20,7 @@ a pointwise (1x1) kernel ``W_p`` of shape ``(1.., C*M, F)``:
 from __future__ import annotations
 
 import math
+from functools import partial
 
 import keras
 from keras import ops
@@ -31,7 +32,9 @@ from pergrad.rules.conv import (
     channels_last_input_and_grad,
     extract_patches,
     fold_batch_into_channels,
+    grouped_filter_gradients_available,
     native_padding,
+    pad_input,
 )
 from pergrad.rules.forms import Deferred, Factored, Materialized, positions
 
@@ -50,8 +53,9 @@ def _depthwise_form(layer, kernel, x, d) -> Factored:
     ``x`` and gradient ``d`` at the depthwise output ``(B, *out, C*M)``.
 
     On TensorFlow the norms, dots and sums use native kernels (:func:`_per_example_filter_gradients`
-    and the batch filter gradient) that never read the patches, so a compiled graph never
-    builds them. On PyTorch the per-example products come from one native grouped filter
+    or :func:`_per_example_by_forward_conv`, as :func:`forward_conv_products_win` chooses, and
+    the batch filter gradient) that never read the patches, so a compiled graph never builds
+    them. On PyTorch the per-example products come from one native grouped filter
     gradient too (:func:`_torch_per_example_filter_gradients`) and the patches are built only
     if a route reads them; on JAX the grouped einsum over the patches is the fastest route."""
     c, m = kernel.shape[-2], kernel.shape[-1]
@@ -75,14 +79,21 @@ def _depthwise_form(layer, kernel, x, d) -> Factored:
         return _filter_gradient(layer, kernel, x, d * weights)
 
     def per_example():
+        if forward_conv_products_win(layer, x):
+            return _per_example_by_forward_conv(layer, kernel, x, d)
         return _per_example_filter_gradients(layer, kernel, x, d)
 
     def remake(keep):
         return _depthwise_form(layer, kernel, zero_rows(x, keep), zero_rows(d, keep))
 
+    if set(layer.dilation_rate) != {1}:  # the folded filter gradient has no dilation on CPU
+        # the forward convolution strides by the dilation (so the layer's own strides must be
+        # 1: both at once is another computation), and its kernel wants equal strides
+        possible = set(layer.strides) == {1} and len(set(layer.dilation_rate)) == 1
+        per_example = (partial(_per_example_by_forward_conv, layer, kernel, x, d)
+                       if possible and forward_conv_products_win(layer, x) else None)
     return Factored(kernel, a, dd, (*layer.kernel_size, c, m), summed=summed,
-                    per_example=per_example if set(layer.dilation_rate) == {1} else None,
-                    remake=remake)
+                    per_example=per_example, remake=remake)
 
 
 def _per_example_filter_gradients(layer, kernel, x, d):
@@ -110,6 +121,78 @@ def _per_example_filter_gradients(layer, kernel, x, d):
         fold_batch_into_channels(padded), tf.stack([*kernel_size, batch * c, m]),
         fold_batch_into_channels(d), [1, *strides, 1], padding.upper())
     g = tf.reshape(g, [-1, batch, c, m])  # (K, B, C, M)
+    return tf.transpose(g, [1, 2, 3, 0])
+
+
+#: The largest kernel side for which oneDNN's depthwise filter gradient (TensorFlow on x86) stays
+#: fast with the batch folded into the channels (docs: :func:`forward_conv_products_win`).
+ONEDNN_FOLDED_MAX_KERNEL = 3
+
+
+def forward_conv_products_win(layer, x) -> bool:
+    """Whether the per-example depthwise products come from :func:`_per_example_by_forward_conv`
+    (one forward depthwise convolution) rather than :func:`_per_example_filter_gradients` (one
+    filter gradient with the batch folded into the channels), on TensorFlow.
+
+    oneDNN (TensorFlow's float32 and bfloat16 kernels on x86, detected as
+    :func:`pergrad.rules.conv.grouped_filter_gradients_available` does) runs the folded filter
+    gradient fast only on its fast path: a kernel at most :data:`ONEDNN_FOLDED_MAX_KERNEL`
+    wide on every axis, ``depth_multiplier`` 1 and an input at least as large as the kernel.
+    Off it, at batch 32, it took 20 to 100 times the batch filter gradient (MobileNetV3Small's
+    5x5 layers, EfficientNetV2B0's 3x3 layers on 2x2 inputs with 1152 channels), while the
+    forward convolution took about as long as the batch filter gradient. On its fast path the
+    folded filter gradient is as fast or faster (up to 1.9x on a 56x56 input), and Eigen's
+    kernels (float64, ``TF_ENABLE_ONEDNN_OPTS=0``) and XLA keep it everywhere: there the
+    forward convolution was up to 4x slower (docs/benchmarks.md, "Route measurements"). A
+    spatial size unknown when traced counts as no smaller than the kernel. A dilated layer
+    (which the folded filter gradient cannot take) compares against the patch einsum instead,
+    unmeasured: it takes this route where an undilated layer of its shape would."""
+    if not grouped_filter_gradients_available(x.dtype):
+        return False
+    kernel_size = tuple(layer.kernel_size)
+    if layer.depth_multiplier != 1 or max(kernel_size) > ONEDNN_FOLDED_MAX_KERNEL:
+        return True
+    return any(n is not None and n < k for n, k in zip(x.shape[1:-1], kernel_size, strict=True))
+
+
+def _per_example_by_forward_conv(layer, kernel, x, d):
+    """``(B, C, M, K)``: every example's kernel gradient as one forward depthwise convolution
+    (TensorFlow) of the padded input, the batch folded into the channels, with the output
+    gradient as its filter.
+
+    With ``X`` the padded input, strides ``s``, dilation ``r`` and outputs ``o``,
+    ``dL_i/dW[k, c, m] = sum_o X_i[s o + r k, c] D_i[o, c M + m]``: a cross-correlation of
+    ``X_i`` (channel ``c``) with the filter ``D_i`` (channel ``c M + m``), dilated by ``s``,
+    evaluated at the ``K`` offsets ``r k`` (a convolution strided by ``r``; one of ``s`` and
+    ``r`` is 1). Example ``i``'s channel ``c``, repeated ``M`` times, becomes channels
+    ``(i C + c) M + m`` of one image, and ``D``'s channels line up with them, so one depthwise
+    convolution with multiplier 1 gives ``(1, *k, B C M)``. Used where oneDNN's filter
+    gradient is slow (:func:`forward_conv_products_win`)."""
+    import tensorflow as tf
+
+    kernel_size, strides = tuple(layer.kernel_size), tuple(layer.strides)
+    dilation = tuple(layer.dilation_rate)
+    padded, sizes = pad_input(x, kernel_size, strides, dilation, layer.padding)
+    if len(kernel_size) == 1:  # as one row of a 2D image; the kernel wants equal strides
+        padded, d, sizes = padded[:, None], d[:, None], [1, *sizes]
+        kernel_size, strides, dilation = ((1, *kernel_size), (strides[0], *strides),
+                                          (dilation[0], *dilation))
+    # only the rows and columns the last output's window reaches (strides may leave some)
+    reach = [(n - 1) * s + r * (k - 1) + 1
+             for n, s, r, k in zip(sizes, strides, dilation, kernel_size, strict=True)]
+    if any(not isinstance(r, int) or r != n for r, n in zip(reach, padded.shape[1:3],
+                                                            strict=True)):
+        padded = padded[:, :reach[0], :reach[1]]
+    c, m = kernel.shape[-2], kernel.shape[-1]
+    image = fold_batch_into_channels(padded)  # (1, H, W, B C)
+    if m > 1:
+        image = tf.repeat(image, m, axis=-1)  # (1, H, W, B C M)
+    shape = tf.shape(d)
+    kernels = tf.reshape(tf.transpose(d, [1, 2, 0, 3]), [shape[1], shape[2], -1, 1])
+    # the layer's dilation r reads offsets r k: the convolution's own strides (the caller
+    # takes this route for a dilated layer only where its strides are 1)
+    g = tf.nn.depthwise_conv2d(image, kernels, [1, *dilation, 1], "VALID", dilations=strides)
+    g = tf.reshape(g, [-1, tf.shape(x)[0], c, m])  # (K, B, C, M)
     return tf.transpose(g, [1, 2, 3, 0])
 
 
