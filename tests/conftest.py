@@ -1,3 +1,4 @@
+import importlib.util
 import os
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
@@ -34,9 +35,16 @@ def rng():
     return np.random.default_rng(0)
 
 
+# TensorFlow is an extra (pergrad[tensorflow]): on JAX and PyTorch it may be absent.
+HAVE_TENSORFLOW = importlib.util.find_spec("tensorflow") is not None
+
+
 def pytest_configure(config):
     config.addinivalue_line(
         "markers", "all_backends: runs on every Keras backend (KERAS_BACKEND=jax runs only these)")
+    config.addinivalue_line(
+        "markers", "needs_tensorflow: an all_backends test that uses TensorFlow itself (tf.data, "
+                   "TensorBoard's event files): skipped where TensorFlow is not installed")
 
 
 # Where PyTorch support is tested (the engine, pergrad.jacobian): here a NotImplementedError is
@@ -52,6 +60,11 @@ def pytest_collection_modifyitems(config, items):
     test TensorFlow-only parts (tf.distribute, TF-specific fast paths and graphs, the
     subprocess tests, which launch their JAX children from the TensorFlow run) and are
     deselected."""
+    if not HAVE_TENSORFLOW:
+        skip = pytest.mark.skip(reason="needs tensorflow (pip install pergrad[tensorflow])")
+        for item in items:
+            if item.get_closest_marker("needs_tensorflow"):
+                item.add_marker(skip)
     backend = keras.backend.backend()
     if backend == "tensorflow":
         return

@@ -7,12 +7,14 @@ import json
 import keras
 import numpy as np
 import pytest
-import tensorflow as tf
 from oracle import assert_close, loop_gradients
 from scipy import stats
 
 import pergrad
 from pergrad import aggregate
+
+# Every test here is TensorFlow's (none is marked all_backends).
+tf = pytest.importorskip("tensorflow", reason="needs tensorflow (pip install pergrad[tensorflow])")
 
 B = 8
 

@@ -33,7 +33,6 @@ from dataclasses import dataclass, field
 import keras
 import numpy as np
 import pytest
-import tensorflow as tf
 from audit import AuditResult, clopper_pearson, epsilon_lower_bound
 from scipy import optimize
 from scipy import stats as scipy_stats
@@ -42,6 +41,9 @@ import pergrad
 from pergrad import aggregate
 from pergrad.aggregate.base import linear_local
 from pergrad.privacy import epsilon_for_steps
+
+# Every test here is TensorFlow's (none is marked all_backends).
+tf = pytest.importorskip("tensorflow", reason="needs tensorflow (pip install pergrad[tensorflow])")
 
 CLIP = 1.0
 SIGMA = 1.0

@@ -133,6 +133,7 @@ def test_a_batch_statistic_written_under_dp_is_refused(float64, rng):
         model.fit(x, y, batch_size=8, epochs=1, verbose=0)
 
 
+@pytest.mark.needs_tensorflow  # poisson_batches is a tf.data pipeline
 def test_poisson_batches_and_the_privacy_budget(float64, rng):
     """The DP-SGD route end to end: Poisson-sampled, padded batches (tf.data), dp_mean dividing
     by the expected batch size, and PrivacyCallback stopping at the budget, with the epsilon it

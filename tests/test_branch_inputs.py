@@ -13,10 +13,12 @@ from __future__ import annotations
 import keras
 import numpy as np
 import pytest
-import tensorflow as tf
 
 import pergrad
 from pergrad import backend
+
+# Every test here is TensorFlow's (none is marked all_backends).
+tf = pytest.importorskip("tensorflow", reason="needs tensorflow (pip install pergrad[tensorflow])")
 
 pytestmark = pytest.mark.skipif(not backend.is_tensorflow(), reason="inspects a TensorFlow graph")
 

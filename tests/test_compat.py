@@ -6,9 +6,9 @@ from __future__ import annotations
 import keras
 import numpy as np
 import pytest
-import tensorflow as tf
 
 from pergrad import _compat
+from pergrad.backend.lazy import tensorflow as tf  # on first use: TensorFlow may be absent
 
 L = keras.layers
 

@@ -9,6 +9,7 @@ suite (these tests are not marked ``all_backends``), as in tests/test_jax_distri
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import re
 import subprocess
@@ -44,9 +45,20 @@ def python_blocks(page: Path) -> list[str]:
     return BLOCK.findall(page.read_text())
 
 
+# Pages that need a package outside pergrad[tensorflow,jax,torch,test]: skipped where it is absent.
+EXTRA = {"keras_hub": "hub"}
+
+
 def run_page(page: Path, tmp_path: Path, backend: str, prelude: str = "") -> None:
+    code = "\n\n".join(python_blocks(page))
+    # Looked up, not imported: importing keras_hub here would load its rules into this process.
+    needed = {backend: backend, **{m: e for m, e in EXTRA.items()
+                                   if re.search(rf"^\s*(import|from) {m}\b", code, re.M)}}
+    for module, extra in needed.items():
+        if importlib.util.find_spec(module) is None:
+            pytest.skip(f"needs {module} (pip install pergrad[{extra}])")
     script = tmp_path / "page.py"
-    script.write_text(prelude + "\n\n".join(python_blocks(page)))
+    script.write_text(prelude + code)
     env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", MPLBACKEND="Agg", KERAS_BACKEND=backend)
     done = subprocess.run([sys.executable, str(script)], cwd=tmp_path, env=env,
                           capture_output=True, text=True, timeout=TIMEOUT_S)
@@ -71,3 +83,15 @@ def test_page_code_runs_on_torch(name, tmp_path):
     page = ROOT / name
     assert python_blocks(page), f"{name} has no ```python block to run on PyTorch"
     run_page(page, tmp_path, "torch")
+
+
+def test_ci_runs_the_readme_test_command():
+    """``.ci/run`` runs the README's test command (the ``bash`` block that installs the test
+    extra), each of its ``&&`` steps as a line of its own, in order."""
+    blocks = re.findall(r"^```bash\n(.*?)^```", (ROOT / "README.md").read_text(), re.S | re.M)
+    command = next(b for b in blocks if "test" in b and "pytest" in b)
+    steps = [" ".join(s.split()) for s in command.strip().split("&&")]
+    ci = [" ".join(line.split()) for line in (ROOT / ".ci" / "run").read_text().splitlines()]
+    positions = [ci.index(step) if step in ci else -1 for step in steps]
+    assert -1 not in positions, [s for s, p in zip(steps, positions, strict=True) if p < 0]
+    assert positions == sorted(positions)

@@ -10,10 +10,10 @@ from __future__ import annotations
 import keras
 import numpy as np
 import pytest
-import tensorflow as tf
 
 import pergrad
 from pergrad import aggregate
+from pergrad.backend.lazy import tensorflow as tf  # on first use: TensorFlow may be absent
 from pergrad.keras import PerExampleModel
 
 

@@ -7,7 +7,6 @@ import warnings
 import keras
 import numpy as np
 import pytest
-import tensorflow as tf
 import zoo
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -16,6 +15,7 @@ from oracle import assert_close, keras_loss, loop_gradients
 import pergrad
 import pergrad.engine
 import pergrad.rules
+from pergrad.backend.lazy import tensorflow as tf  # on first use: TensorFlow may be absent
 
 L = keras.layers
 

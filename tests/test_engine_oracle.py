@@ -5,11 +5,11 @@ from __future__ import annotations
 import keras
 import numpy as np
 import pytest
-import tensorflow as tf
 import zoo
 from oracle import assert_close, keras_loss, loop_gradients
 
 import pergrad
+from pergrad.backend.lazy import tensorflow as tf  # on first use: TensorFlow may be absent
 
 BOTH = pytest.mark.all_backends
 

@@ -5,10 +5,10 @@ from __future__ import annotations
 import keras
 import numpy as np
 import pytest
-import tensorflow as tf
 
 import pergrad
 from pergrad import aggregate
+from pergrad.backend.lazy import tensorflow as tf  # on first use: TensorFlow may be absent
 from pergrad.keras import INDEX_KEY, PerExampleModel
 
 BOTH = pytest.mark.all_backends  # also on JAX (KERAS_BACKEND=jax)

@@ -29,6 +29,20 @@ def test_lazy_module_does_not_import_for_dunder_probes():
         missing.anything  # noqa: B018
 
 
+def test_a_missing_module_says_how_to_install_it(tmp_path, monkeypatch):
+    missing = LazyModule("pergrad_no_such_module", install="pip install pergrad[no_such_extra]")
+    with pytest.raises(ModuleNotFoundError, match=r"pip install pergrad\[no_such_extra\]") as err:
+        missing.anything  # noqa: B018
+    assert err.value.name == "pergrad_no_such_module"
+    # A module that is there but misses one of its own imports: that error, unchanged.
+    (tmp_path / "pergrad_broken_module.py").write_text("import pergrad_no_such_dependency\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    broken = LazyModule("pergrad_broken_module", install="pip install pergrad[no_such_extra]")
+    with pytest.raises(ModuleNotFoundError,
+                       match="^No module named 'pergrad_no_such_dependency'$"):
+        broken.anything  # noqa: B018
+
+
 @pytest.mark.parametrize("backend", ["jax", "torch"])
 def test_workflows_on_other_backends_never_import_tensorflow(backend):
     """In a fresh process on ``backend``: PerExample, the aggregators, PerExampleModel.fit with

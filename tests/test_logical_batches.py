@@ -97,6 +97,7 @@ def test_a_logical_batch_never_spans_two_epochs():
         private.fit(x, y, batch_size=8, epochs=1, verbose=0)
 
 
+@pytest.mark.needs_tensorflow  # poisson_batches is a tf.data pipeline
 def test_poisson_logical_batches_in_micro_batches():
     """``poisson_batches(micro_batches=k)``: each Poisson-sampled logical batch comes as ``k``
     micro-batches that together are the batch sampled without the split (same seed); trained

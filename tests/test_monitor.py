@@ -12,10 +12,10 @@ import os
 import keras
 import numpy as np
 import pytest
-import tensorflow as tf
 from oracle import assert_close, compiled_like_a_user, softmax
 
 import pergrad
+from pergrad.backend.lazy import tensorflow as tf  # on first use: TensorFlow may be absent
 from pergrad.keras import PerExampleModel
 from pergrad.keras.monitor import LOGGED_STATISTICS, GradientMonitor, csv_columns
 from pergrad.stats import BATCH_STATISTICS, gradient_statistics
@@ -110,17 +110,22 @@ def _reference_statistics(g):
             "fraction_against_rest": np.mean(cos_rest < 0)}
 
 
-@BOTH
-def test_fixed_order_tracking_csv_tensorboard_and_history(tmp_path, float64):
+def _fit_in_fixed_order(monitor, inner=None):
+    """Trains on ``_data()`` unshuffled for EPOCHS epochs with ``monitor``; the Keras history."""
     x, y = _data()
-    csv_path, log_dir = str(tmp_path / "stats.csv"), str(tmp_path / "tb")
-    monitor = GradientMonitor(csv_path=csv_path, log_dir=log_dir)
+    with pytest.warns(UserWarning, match="sample order"):
+        return _trainer(monitor, inner).fit(x, y, batch_size=BATCH, epochs=EPOCHS, shuffle=False,
+                                            verbose=0, callbacks=[monitor])
+
+
+@BOTH
+def test_fixed_order_tracking_csv_and_history(tmp_path, float64):
+    x, y = _data()
+    csv_path = str(tmp_path / "stats.csv")
+    monitor = GradientMonitor(csv_path=csv_path)
     inner = _inner()
     initial = inner.get_weights()
-    model = _trainer(monitor, inner)
-    with pytest.warns(UserWarning, match="sample order"):
-        history = model.fit(x, y, batch_size=BATCH, epochs=EPOCHS, shuffle=False, verbose=0,
-                            callbacks=[monitor])
+    history = _fit_in_fixed_order(monitor, inner)
     steps = EPOCHS * N // BATCH
 
     # Keras history holds the batch statistics.
@@ -160,7 +165,13 @@ def test_fixed_order_tracking_csv_tensorboard_and_history(tmp_path, float64):
     assert_close(float(rows[0]["cosine_p10"]), np.quantile(reference["cosine_to_batch"], 0.1))
     assert len(monitor.history) == steps
 
-    # TensorBoard: scalars for every statistic and histograms of norms and cosines, every step.
+
+@BOTH
+@pytest.mark.needs_tensorflow  # TensorBoard's event files are written and read with TensorFlow
+def test_tensorboard_scalars_and_histograms_every_step(tmp_path, float64):
+    log_dir = str(tmp_path / "tb")
+    _fit_in_fixed_order(GradientMonitor(log_dir=log_dir))
+    steps = EPOCHS * N // BATCH
     tags: dict[str, list[int]] = {}
     for path in glob.glob(os.path.join(log_dir, "events.out.tfevents.*")):
         for event in tf.compat.v1.train.summary_iterator(path):
@@ -176,6 +187,7 @@ def test_fixed_order_tracking_csv_tensorboard_and_history(tmp_path, float64):
 
 
 @BOTH
+@pytest.mark.needs_tensorflow  # a shuffled tf.data pipeline
 def test_supplied_indices_under_shuffling(float64):
     x, y = _data(1)
     permutation = np.random.default_rng(3).permutation(N)  # ODD sits elsewhere in the arrays
@@ -274,6 +286,16 @@ def test_bad_arguments():
         GradientMonitor(every_n_steps=0)
     with pytest.raises(ValueError, match="num_examples"):
         GradientMonitor(num_examples=-3)
+
+
+@BOTH
+def test_tensorboard_without_tensorflow_is_a_clear_error(monkeypatch):
+    import pergrad.keras.monitor as monitor_module
+
+    monkeypatch.setattr(monitor_module, "_tensorflow_installed", lambda: False)
+    with pytest.raises(ImportError, match=r"pip install pergrad\[tensorflow\]"):
+        GradientMonitor(log_dir="tb")
+    GradientMonitor(csv_path="m.csv")  # the CSV needs no TensorFlow
 
 
 @BOTH

@@ -10,11 +10,13 @@ from __future__ import annotations
 import keras
 import numpy as np
 import pytest
-import tensorflow as tf
 
 import pergrad
 from pergrad import aggregate
 from pergrad.aggregate import NoiseStream
+
+# Every test here is TensorFlow's (none is marked all_backends).
+tf = pytest.importorskip("tensorflow", reason="needs tensorflow (pip install pergrad[tensorflow])")
 
 B = 4
 

@@ -10,7 +10,6 @@ import dp_accounting
 import keras
 import numpy as np
 import pytest
-import tensorflow as tf
 from dp_accounting.rdp import RdpAccountant
 from scipy import optimize, stats
 
@@ -27,6 +26,9 @@ from pergrad.privacy import (
 )
 from pergrad.privacy.accounting import MAX_STEPS_SEARCHED, _quiet_accountant
 from pergrad.privacy.sampling import default_max_batch_size
+
+# Every test here is TensorFlow's (none is marked all_backends).
+tf = pytest.importorskip("tensorflow", reason="needs tensorflow (pip install pergrad[tensorflow])")
 
 MNIST = dict(num_examples=60000, batch_size=150, epochs=15, delta=1e-5)
 

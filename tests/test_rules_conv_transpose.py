@@ -12,12 +12,14 @@ import itertools
 import keras
 import numpy as np
 import pytest
-import tensorflow as tf
 from oracle import assert_close
 from rule_check import assert_rule_matches_oracle
 
 from pergrad.rules import LayerCall
 from pergrad.rules.conv_transpose import conv_transpose_rule
+
+# Every test here is TensorFlow's (none is marked all_backends).
+tf = pytest.importorskip("tensorflow", reason="needs tensorflow (pip install pergrad[tensorflow])")
 
 L = keras.layers
 B = 4

@@ -15,7 +15,7 @@ from oracle import keras_loss, loop_gradients
 
 import pergrad
 
-keras_hub = pytest.importorskip("keras_hub")
+keras_hub = pytest.importorskip("keras_hub", reason="needs keras_hub (pip install pergrad[hub])")
 
 pytestmark = pytest.mark.all_backends
 

@@ -3,7 +3,9 @@
 Modules that serve every backend name TensorFlow through :data:`tensorflow` here, so that pergrad
 on JAX or PyTorch never loads it (a second framework in the process costs seconds at start-up and
 hundreds of megabytes) unless a TensorFlow-only part (``tf.data`` sampling, ``fit_distributed``)
-is really used. TensorFlow is imported the first time an attribute is read.
+is really used. TensorFlow is imported the first time an attribute is read; where it is not
+installed (it is the extra ``pergrad[tensorflow]``), that read raises a ``ModuleNotFoundError``
+that says how to install it.
 """
 
 from __future__ import annotations
@@ -14,15 +16,27 @@ from typing import Any
 
 
 class LazyModule(types.ModuleType):
-    """A stand-in for the module ``name`` that imports it when an attribute is first read."""
+    """A stand-in for the module ``name`` that imports it when an attribute is first read.
 
-    def __init__(self, name: str) -> None:
+    ``install``: how to install the module, added to the ``ModuleNotFoundError`` raised when it
+    is missing (not when something it imports is)."""
+
+    def __init__(self, name: str, install: str | None = None) -> None:
         super().__init__(name)
         self._module: types.ModuleType | None = None
+        self._install = install
 
     def _load(self) -> types.ModuleType:
         if self._module is None:
-            self._module = importlib.import_module(self.__name__)
+            try:
+                self._module = importlib.import_module(self.__name__)
+            except ModuleNotFoundError as err:
+                if self._install is None or err.name != self.__name__:
+                    raise
+                raise ModuleNotFoundError(
+                    f"No module named {self.__name__!r}: this part of pergrad needs it, "
+                    f"whatever the Keras backend. Install it with: {self._install}",
+                    name=self.__name__) from err
         return self._module
 
     def __getattr__(self, attribute: str) -> Any:
@@ -34,6 +48,6 @@ class LazyModule(types.ModuleType):
         return dir(self._load())
 
 
-tensorflow = LazyModule("tensorflow")
+tensorflow = LazyModule("tensorflow", install="pip install pergrad[tensorflow]")
 
 __all__ = ["LazyModule", "tensorflow"]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import csv
+import importlib.util
 import os
 import warnings
 from collections.abc import Callable
@@ -91,7 +92,8 @@ class GradientMonitor(keras.callbacks.Callback):
 
     Args:
         every_n_steps: compute the statistics on every n-th training step.
-        log_dir: TensorBoard log directory (``None``: no TensorBoard).
+        log_dir: TensorBoard log directory (``None``: no TensorBoard). The event files are
+            written with TensorFlow, on every backend: it must be installed.
         csv_path: CSV file (``None``: no CSV).
         track_examples: keep the per-example counts.
         num_examples: training-set size, to preallocate the counts (and wrap derived indices).
@@ -108,6 +110,11 @@ class GradientMonitor(keras.callbacks.Callback):
             raise ValueError(f"every_n_steps must be a positive integer, got {every_n_steps}.")
         if num_examples is not None and (int(num_examples) != num_examples or num_examples < 1):
             raise ValueError(f"num_examples must be a positive integer or None, got {num_examples}.")
+        if log_dir is not None and not _tensorflow_installed():
+            raise ImportError(
+                "GradientMonitor(log_dir=...) writes TensorBoard's event files with TensorFlow, "
+                "which is not installed: pip install pergrad[tensorflow] (any backend), or log "
+                "with csv_path= instead.")
         self.every_n_steps = int(every_n_steps)
         self.log_dir = log_dir
         self.csv_path = csv_path
@@ -512,8 +519,8 @@ def step_statistics(result: PerExampleResult, sample_weight: Any) -> tuple[dict,
         stats = ops.cond(ops.all(keep), lambda: stats,
                          lambda: statistics_from_result(result.masked(keep), weights))
     else:
-        # XLA compiles both branches of a cond: on JAX that doubled the compile time of the
-        # step (18 s against 11 s for the digits CNN). Masking with an all-true mask changes no
+        # XLA compiles both branches of a cond: on JAX that made the step's compile time
+        # 1.6x (docs/benchmarks.md, "DP noise, dispatch and compilation"). Masking with an all-true mask changes no
         # value, so JAX always computes the masked statistics (one more norm pass at run time).
         keep = ops.logical_and(ops.isfinite(result.losses), ops.isfinite(result.norms()))
         weights = ops.where(keep, given, ops.zeros_like(given))
@@ -599,6 +606,11 @@ def _wait_for_host_updates() -> None:
     if is_jax():
         import jax
         jax.effects_barrier()
+
+
+def _tensorflow_installed() -> bool:
+    """Whether TensorFlow can be imported (looked up, not imported)."""
+    return importlib.util.find_spec("tensorflow") is not None
 
 
 def _metadata(plugin: str) -> Any:
