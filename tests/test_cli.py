@@ -311,3 +311,68 @@ def test_analyze_a_csv_table_with_named_classes(tmp_path):
     assert {s["given"] for s in summary["most_suspect"]} <= {"setosa", "virginica"}
     rows = (out / "examples.csv").read_text().splitlines()
     assert len(rows) == 41 and rows[0].startswith("rank,row,split,given,suggested")
+
+
+# Runs each argv (a json list of argv lists) through pergrad.cli.main in one fresh interpreter
+# and prints one JSON line per argv: the exit code, stderr, and the frameworks loaded so far.
+_FRAMEWORKS = ("tensorflow", "keras", "jax", "torch")
+_CHILD = """
+import contextlib, io, json, sys
+from pergrad.cli import main
+for argv in json.loads(sys.argv[1]):
+    err = io.StringIO()
+    with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(err):
+        try:
+            code = main(argv)
+        except SystemExit as stop:
+            code = stop.code
+    loaded = sorted({m.split('.')[0] for m in sys.modules} & set(json.loads(sys.argv[2])))
+    print(json.dumps({"code": code, "err": err.getvalue(), "frameworks": loaded}))
+"""
+
+
+@BOTH
+def test_analyze_file_errors_answer_before_any_framework_is_imported(tmp_path):
+    """A missing or unreadable --model or --data, a .npz without x and y, a CSV without the
+    named columns: one line, exit code 2, and neither TensorFlow, Keras, JAX nor PyTorch was
+    imported (the check runs before them; only the loaded modules are asserted, not a time)."""
+    import zipfile
+
+    model = tmp_path / "model.keras"  # a zip archive passes the file check; never loaded here
+    with zipfile.ZipFile(model, "w") as archive:
+        archive.writestr("config.json", "{}")
+    (tmp_path / "junk.keras").write_text("not a zip")
+    (tmp_path / "model.pb").write_text("a TensorFlow graph")
+    np.savez(tmp_path / "other.npz", a=np.zeros(3))
+    np.save(tmp_path / "plain.npy", np.zeros(3))
+    os.replace(tmp_path / "plain.npy", tmp_path / "plain.npz")
+    (tmp_path / "table.csv").write_text("a,b,label\n1,2,x\n3,4,y\n")
+    (tmp_path / "notes.txt").write_text("1,2\n")
+    m, csv = str(model), str(tmp_path / "table.csv")
+    cases = [
+        (["--model", m, "--data", str(tmp_path / "missing.csv")],
+         "cannot read the data " + str(tmp_path / "missing.csv") + ": no such file"),
+        (["--model", str(tmp_path / "missing.keras")], "no such file"),
+        (["--data", csv], "--data needs --model"),
+        (["--model", str(tmp_path / "junk.keras")], "not a .keras file"),
+        (["--model", str(tmp_path / "model.pb")], "saved as .keras"),
+        (["--model", m, "--data", str(tmp_path / "other.npz")], "needs 'x' (inputs) and 'y'"),
+        (["--model", m, "--data", str(tmp_path / "plain.npz")], "not a readable .npz file"),
+        (["--model", m, "--data", csv], "--label COLUMN"),
+        (["--model", m, "--data", csv, "--label", "c"], "no column 'c'"),
+        (["--model", m, "--data", csv, "--label", "label", "--id", "c"], "no column 'c'"),
+        (["--model", m, "--data", str(tmp_path / "notes.txt")], "give a .npz file"),
+    ]
+    argvs = [["analyze", *args, "--out", str(tmp_path / "out")] for args, _ in cases]
+    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2")
+    done = subprocess.run([sys.executable, "-c", _CHILD, json.dumps(argvs),
+                           json.dumps(_FRAMEWORKS)], capture_output=True, text=True, env=env,
+                          timeout=120)
+    assert done.returncode == 0, done.stderr[-3000:]
+    results = [json.loads(line) for line in done.stdout.strip().splitlines()[-len(cases):]]
+    for (args, message), result in zip(cases, results, strict=True):
+        lines = result["err"].strip().splitlines()
+        assert result["code"] == 2 and len(lines) == 1 and message in lines[0], (args, result)
+        assert lines[0].startswith("pergrad analyze: error: "), (args, result)
+        assert result["frameworks"] == [], (args, result)
+    assert not (tmp_path / "out").exists()  # refused before anything was written

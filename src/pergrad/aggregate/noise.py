@@ -21,6 +21,7 @@ only one stream (:meth:`NoiseSource.claim` refuses a second).
 
 from __future__ import annotations
 
+import math
 import random
 import weakref
 from typing import Any
@@ -128,9 +129,11 @@ def gaussian_noise(key, values: list, stddev: float) -> list:
     inverse-CDF draw), which the accountant does not count in ``delta``.
 
     TensorFlow: ``stateless_uniform`` keys from ``stateless_split``. JAX: a threefry key
-    folded from the 62-bit seed and the 64-bit counter, split per tensor. Inside a JAX trace
-    the key must be traced too: a key that is a constant of the trace would be the same at
-    every call of the compiled function, i.e. the same noise at every step."""
+    folded from the 62-bit seed and the 64-bit counter, split per computation dtype (float32,
+    float64); one draw for all tensors of a dtype, cut into them (one kernel for XLA to
+    compile, not one per tensor shape). Inside a JAX trace the key must be traced too: a key
+    that is a constant of the trace would be the same at every call of the compiled function,
+    i.e. the same noise at every step."""
     if backend.is_jax():
         return _jax_gaussian_noise(key, values, stddev)
     if backend.is_torch():
@@ -145,8 +148,8 @@ def gaussian_noise(key, values: list, stddev: float) -> list:
 
 def _tensorflow_normal(shape, key, dtype: str) -> Any:
     """Standard normals of ``shape`` from ``key`` by :func:`gaussian_noise`'s Box-Muller
-    transform (faster than ``stateless_normal`` on this CPU: 4.5 against 4.8 ms for 665,600
-    float32 values). Angles and products in float32 (float64 for float64 values); half
+    transform (faster than ``stateless_normal`` on the project's CPU: docs/benchmarks.md, "DP
+    noise, dispatch and compilation"). Angles and products in float32 (float64 for float64 values); half
     precision is cast from float32."""
     import tensorflow as tf
 
@@ -186,8 +189,24 @@ def _jax_gaussian_noise(key, values: list, stddev: float) -> list:
     words = [jnp.asarray(w).astype(jnp.uint32) for w in words]
     base = jax.random.wrap_key_data(jnp.stack(words[:2]), impl="threefry2x32")
     base = jax.random.fold_in(jax.random.fold_in(base, words[2]), words[3])
-    keys = jax.random.split(base, len(values))
-    return [stddev * _jax_normal(keys[k], v.shape, v.dtype) for k, v in enumerate(values)]
+    # One draw per computation dtype, cut into the values: XLA's CPU compiles every threefry
+    # draw of a new shape into its own large kernel, and a draw per variable made a large part
+    # of the benchmark CNN's DP-step compilation (docs/benchmarks.md, "DP noise, dispatch and
+    # compilation"). Outside a trace the flat draw and its slices hold the noise twice.
+    wides = [jnp.float64 if jnp.dtype(v.dtype) == jnp.float64 else jnp.float32 for v in values]
+    groups = list(dict.fromkeys(wides))
+    keys = jax.random.split(base, len(groups))
+    out: list = [None] * len(values)
+    for key_g, wide in zip(keys, groups, strict=True):
+        members = [k for k, w in enumerate(wides) if w == wide]
+        sizes = [math.prod(values[k].shape) for k in members]
+        flat = _jax_normal(key_g, (sum(sizes),), wide)
+        start = 0
+        for k, size in zip(members, sizes, strict=True):
+            piece = flat[start:start + size].reshape(values[k].shape)
+            out[k] = stddev * piece.astype(values[k].dtype)
+            start += size
+    return out
 
 
 def _jax_normal(key, shape: tuple, dtype) -> Any:
@@ -200,9 +219,9 @@ def _jax_normal(key, shape: tuple, dtype) -> Any:
     float64 values): float32 holds ``2^-65`` exactly, so the far tail keeps its resolution
     while the body is computed at float32 speed (float32 ``ndtri`` is within 4e-7 relative
     of float64's on ``(2^-65, 1/2)``). The largest draw is ``-ndtri(2^-65) = 9.16``
-    (:data:`INVERSE_CDF_BITS`). On XLA's CPU this takes 2.8-3.2 ms for 670,000 float32
-    values, against 3.5-4.1 for ``jax.random.normal`` (cut at 5.22) and 6.5-6.9 for the
-    Box-Muller transform TensorFlow uses (XLA's CPU cosine is slow)."""
+    (:data:`INVERSE_CDF_BITS`). On XLA's CPU it is faster than ``jax.random.normal`` (cut at
+    5.22) and than the Box-Muller transform TensorFlow uses (XLA's CPU cosine is slow):
+    docs/benchmarks.md, "DP noise, dispatch and compilation"."""
     import jax
     import jax.numpy as jnp
     from jax.scipy.special import ndtri

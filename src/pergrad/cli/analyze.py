@@ -5,9 +5,11 @@ most likely mislabeled and explain a few test predictions by training examples."
 from __future__ import annotations
 
 import argparse
+import csv
 import json
 import os
 import time
+import zipfile
 
 import numpy as np
 
@@ -136,7 +138,8 @@ def _build_loss(name: str, from_logits: bool):
 
 
 def _check_paths(args: argparse.Namespace) -> None:
-    """Argument and file errors found before Keras is imported (about a second)."""
+    """Argument and file errors found before Keras is imported (a fraction of a second, where
+    importing Keras and a backend takes seconds: docs/cli.md)."""
     if args.data is not None and args.model is None:
         raise _Refused("--data needs --model: the model to train on that data")
     if args.model is not None and not os.path.exists(args.model):
@@ -162,6 +165,56 @@ def _check_paths(args: argparse.Namespace) -> None:
                            "class")
         if os.path.splitext(args.fix)[1].lower() != kind:
             raise _Refused(f"--fix {args.fix}: the data is a {kind} file; name a {kind} copy")
+    _check_model_file(args.model)
+    if args.data is not None and not os.path.isdir(args.data):
+        _check_data_file(args.data, args.label, args.id_column)
+
+
+def _check_model_file(path: str | None) -> None:
+    """What ``keras.saving.load_model`` refuses by the file alone, found without Keras: a
+    ``.keras`` file that is not a zip archive, a file of another kind than ``.keras`` or the
+    legacy ``.h5``/``.hdf5`` (a folder is left to Keras, which reads some)."""
+    if path is None or not os.path.isfile(path):
+        return
+    kind = os.path.splitext(path)[1]
+    if kind not in (".keras", ".h5", ".hdf5"):
+        raise _Refused(f"cannot load the model {path}: give a Keras model saved as .keras "
+                       "(model.save('model.keras')), or a legacy .h5 file")
+    if kind == ".keras" and not zipfile.is_zipfile(path):
+        raise _Refused(f"cannot load the model {path}: not a .keras file (a .keras file is a "
+                       "zip archive written by model.save)")
+
+
+def _check_data_file(path: str, label: str | None, id_column: str | None) -> None:
+    """The refusals of :func:`pergrad.analysis.load_data` that the file's kind, a ``.npz``'s
+    array names or a CSV's header show, found without Keras (``pergrad.analysis`` imports
+    it); the rows themselves are checked when the data is loaded."""
+    kind = os.path.splitext(path)[1].lower()
+    if kind == ".npz":
+        try:
+            with zipfile.ZipFile(path) as archive:  # what np.savez writes
+                names = sorted(n.removesuffix(".npy") for n in archive.namelist())
+        except (OSError, zipfile.BadZipFile) as error:
+            raise _Refused(f"{path} is not a readable .npz file: {error}") from None
+        if not {"x", "y"} <= set(names):
+            raise _Refused(f"{path} has arrays {names}; it needs 'x' (inputs) and 'y' "
+                           "(labels): np.savez(path, x=x, y=y).")
+    elif kind == ".csv":
+        if label is None:
+            raise _Refused(f"{path} is a CSV table: name its label column with --label COLUMN.")
+        try:
+            with open(path, newline="") as handle:
+                header = next(csv.reader(handle), None)
+        except (OSError, UnicodeDecodeError, csv.Error) as error:
+            raise _Refused(f"cannot read the data {path}: {error}") from None
+        if header is None:
+            raise _Refused(f"{path} is empty.")
+        for name in (label, id_column):
+            if name is not None and name not in header:
+                raise _Refused(f"{path} has no column {name!r}; its columns are {header}.")
+    else:
+        raise _Refused(f"Cannot read {path!r}: give a .npz file (arrays x and y), a .csv table "
+                       "(with --label) or a folder of images with one sub-folder per class.")
 
 
 def _load_model(args):
@@ -287,6 +340,12 @@ def _is_classifier(labels: np.ndarray, from_logits: bool | None) -> bool:
 def run(args: argparse.Namespace) -> int:
     import sys
 
+    # PyTorch's OpenMP threads spin while they wait for work (libgomp's default). On a busy
+    # machine a spinning thread holds a core the other one needs: on 2 shared cores the digits
+    # demo took 4.4x TensorFlow's CPU time, 0.9x with passive waiting (docs/cli.md). OpenMP
+    # reads this when PyTorch loads it, i.e. before Keras is imported below; a user's setting
+    # wins.
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     try:
         _check_paths(args)
         return _run(args)

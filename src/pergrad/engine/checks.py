@@ -214,15 +214,28 @@ _PERTURBED_FLOOR = 1e-4
 def perturbed_weights(model, seed: int = 20261203) -> tuple[list, list]:
     """``(trainable values, non-trainable values)`` for ``model.stateless_call``: every
     floating trainable weight ``w`` moved by ``0.1 (rms(w) + 1) z``, ``z`` standard normal
-    drawn from a fixed seed (so factors at zero open); the rest as they are."""
+    drawn from a fixed seed (so factors at zero open); the rest as they are.
+
+    One draw per dtype, cut into the weights: under XLA every draw of a new shape compiles to
+    its own random-number kernel, which made a large part of a compiled check's compile time."""
+    values = [ops.convert_to_tensor(variable.value) for variable in model.trainable_variables]
+    dtypes = [keras.backend.standardize_dtype(value.dtype) for value in values]
+    noise: list = [None] * len(values)
+    floating = [k for k, dtype in enumerate(dtypes) if keras.backend.is_float_dtype(dtype)]
+    for g, dtype in enumerate(dict.fromkeys(dtypes[k] for k in floating)):
+        members = [k for k in floating if dtypes[k] == dtype]
+        sizes = [int(np.prod(values[k].shape)) for k in members]
+        flat = keras.random.normal((sum(sizes),), dtype=dtype, seed=seed + g)
+        start = 0
+        for k, size in zip(members, sizes, strict=True):
+            noise[k] = ops.reshape(flat[start:start + size], tuple(values[k].shape))
+            start += size
     trainable = []
-    for k, variable in enumerate(model.trainable_variables):
-        value = ops.convert_to_tensor(variable.value)
-        dtype = keras.backend.standardize_dtype(value.dtype)
-        if keras.backend.is_float_dtype(dtype):
+    for variable, value, z, dtype in zip(model.trainable_variables, values, noise, dtypes,
+                                         strict=True):
+        if z is not None:
             rms = ops.sqrt(ops.mean(ops.square(value))) if len(value.shape) else ops.abs(value)
-            noise = keras.random.normal(tuple(value.shape), dtype=dtype, seed=seed + k)
-            value = value + ops.cast(0.1, dtype) * (rms + ops.cast(1.0, dtype)) * noise
+            value = value + ops.cast(0.1, dtype) * (rms + ops.cast(1.0, dtype)) * z
         trainable.append(ops.cast(value, variable.dtype))
     frozen = [ops.convert_to_tensor(v.value) for v in model.non_trainable_variables]
     return trainable, frozen

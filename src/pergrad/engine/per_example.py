@@ -326,8 +326,8 @@ def _wide_scalar(value: float) -> Any:
     """``value`` as a float64 scalar tensor (float32 on JAX without ``jax_enable_x64``).
 
     On JAX a NumPy scalar: ``jax.jit`` moves it to the device in its C++ dispatch, where an eager
-    ``jnp.asarray`` costs one op dispatch, about 0.15 ms a call (a third of the Embedding bag
-    model's whole batch gradient)."""
+    ``jnp.asarray`` costs one op dispatch per call (a third of the Embedding bag model's whole
+    batch gradient: docs/benchmarks.md, "DP noise, dispatch and compilation")."""
     if backend.is_jax():
         return np.asarray(value, wide_float())
     return ops.convert_to_tensor(value, wide_float())
