@@ -376,3 +376,19 @@ def test_analyze_file_errors_answer_before_any_framework_is_imported(tmp_path):
         assert lines[0].startswith("pergrad analyze: error: "), (args, result)
         assert result["frameworks"] == [], (args, result)
     assert not (tmp_path / "out").exists()  # refused before anything was written
+
+
+def test_a_missing_backend_is_one_line_that_names_its_extra():
+    """Keras imports its backend when first imported: with that backend not installed (here
+    JAX, blocked in the child) the command says which extra installs it, in one line."""
+    code = ("import sys; sys.modules['jax'] = None\n"
+            "from pergrad.cli import main\n"
+            "sys.exit(main(['analyze', '--epochs', '1', '--folds', '0']))\n")
+    env = dict(os.environ, KERAS_BACKEND="jax", TF_CPP_MIN_LOG_LEVEL="3")
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 2, done.stderr[-3000:]
+    lines = [line for line in done.stderr.splitlines() if line.startswith("pergrad")]
+    assert lines == ["pergrad: error: jax is not installed (the Keras backend here is jax): "
+                     "pip install 'pergrad[jax]', or set KERAS_BACKEND to an installed "
+                     "backend"], done.stderr[-3000:]

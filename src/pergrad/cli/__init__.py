@@ -38,7 +38,23 @@ def main(argv: list[str] | None = None) -> int:
     from pergrad.cli import analyze, bench, privacy
 
     run = {"analyze": analyze.run, "bench": bench.run, "privacy": privacy.run}[args.command]
-    return int(run(args) or 0)
+    try:
+        return int(run(args) or 0)
+    except ModuleNotFoundError as error:
+        if error.name not in BACKEND_EXTRAS:
+            raise
+        # Keras imports its backend when first imported: without one installed (a bare
+        # `pip install pergrad`) that import fails far from the cause.
+        backend = os.environ.get("KERAS_BACKEND") or "tensorflow (Keras's default)"
+        sys.stderr.write(
+            f"pergrad: error: {error.name} is not installed (the Keras backend here is "
+            f"{backend}): pip install 'pergrad[{error.name}]', or set KERAS_BACKEND to an "
+            "installed backend\n")
+        return 2
+
+
+#: The backends, each installed by the pergrad extra of its name.
+BACKEND_EXTRAS = ("tensorflow", "jax", "torch")
 
 
 if __name__ == "__main__":
