@@ -66,6 +66,9 @@ def test_compiled_loss_and_loss_tracker():
     expected = float(np.mean(np.square(pred))) + 0.01 * float(np.sum(kernel ** 2))
     assert np.isclose(float(_compat.compiled_loss(model, x, y, pred, None)), expected, rtol=1e-6)
     assert isinstance(_compat.loss_tracker(model), keras.metrics.Mean)
+    assert _compat.compiled_metrics(model) is None
+    model.compile(optimizer="sgd", loss="mse", metrics=["mae"])
+    assert isinstance(_compat.compiled_metrics(model), keras.metrics.Metric)
 
 
 def test_backing_variable_graph_and_untracked_attributes():
@@ -132,6 +135,10 @@ def test_keras_mask_of_padding_and_ignored_labels():
     np.testing.assert_array_equal(keras.ops.convert_to_numpy(_compat.keras_mask(embedded)),
                                   tokens != 0)
     assert _compat.keras_mask(keras.ops.ones((2, 3))) is None
+    plain = keras.ops.ones((2, 4))
+    _compat.set_keras_mask(plain, keras.ops.convert_to_tensor(tokens != 0))
+    np.testing.assert_array_equal(keras.ops.convert_to_numpy(_compat.keras_mask(plain)),
+                                  tokens != 0)
 
 
 @pytest.mark.all_backends

@@ -139,6 +139,82 @@ def test_sequence_output_loss_is_averaged_like_keras(rng):
     _assert_weights_close(inner, plain)
 
 
+# -- the reported loss ------------------------------------------------------------------------------
+
+def _reported_and_keras_loss(inner, x, y, loss, sample_weight=None, **compile_args):
+    """``(model, [its loss, Keras's loss], its logs)``: the loss ``train_on_batch`` reports for a
+    ``PerExampleModel`` and for plain Keras, on the same weights and batch (both report the loss
+    before the update)."""
+    plain = _twin(inner)
+    model = PerExampleModel(inner)
+    logs = []
+    for m in (model, plain):
+        m.compile(optimizer=keras.optimizers.SGD(0.1), loss=loss, **compile_args)
+        logs.append(m.train_on_batch(x, y, sample_weight=sample_weight, return_dict=True))
+    assert set(logs[0]) == set(logs[1]) | {"dropped_examples"}
+    return model, [float(entry["loss"]) for entry in logs], logs[0]
+
+
+@BOTH
+def test_reported_loss_from_per_example_losses_is_keras_loss(rng):
+    """No mask, no metrics: the step reads ``sum_i w_i l_i / B + regularization`` from the
+    engine's per-example losses instead of running the compiled loss again; Keras's value."""
+    x = rng.normal(size=(10, 6)).astype("float32")
+    y = rng.integers(0, 3, size=10)
+    w = rng.uniform(0.2, 2.0, size=10).astype("float32")
+    model, (ours, keras_loss), _ = _reported_and_keras_loss(
+        _mlp(regularizer=keras.regularizers.L2(0.05)), x, y,
+        keras.losses.SparseCategoricalCrossentropy(from_logits=True), sample_weight=w)
+    np.testing.assert_allclose(ours, keras_loss, rtol=1e-6)
+    result = model.per_example().compute(x, y, w)
+    assert pergrad.keras.step.loss_from_per_example_losses(model, result) is not None
+
+
+@BOTH
+def test_reported_loss_of_weighted_sequence_outputs_is_keras_loss(rng):
+    """Two outputs, one a sequence ``(B, T, F)``, with ``loss_weights``: Keras averages each
+    output's loss over its own elements, then weights and adds them, and logs each output's
+    loss besides; so does the step."""
+    inputs = keras.Input((4, 3))
+    outputs = [keras.layers.Dense(2)(inputs),
+               keras.layers.Dense(1)(keras.layers.Flatten()(inputs))]
+    x = rng.normal(size=(8, 4, 3)).astype("float32")
+    y = [rng.normal(size=(8, 4, 2)).astype("float32"), rng.normal(size=(8, 1)).astype("float32")]
+    model, (ours, keras_loss), logs = _reported_and_keras_loss(
+        keras.Model(inputs, outputs), x, y, ["mse", "mae"], loss_weights=[0.7, 2.0])
+    np.testing.assert_allclose(ours, keras_loss, rtol=1e-6)
+    assert len(logs) == 4  # loss, each output's loss, dropped_examples
+
+
+@BOTH
+@pytest.mark.parametrize("metrics", [None, ["sparse_categorical_accuracy"]])
+def test_reported_masked_loss_is_keras_batch_wide_mean(rng, metrics):
+    """Padding of unequal lengths: each example's own loss is the mean over its valid tokens,
+    but Keras reports the sum over the batch's valid tokens divided by their count; the step
+    reports Keras's (the engine's mean of means would differ), and the compiled metrics count
+    the valid tokens only."""
+    vocabulary, steps = 7, 5
+    tokens = keras.Input((steps,), dtype="int32")
+    h = keras.layers.Embedding(vocabulary, 4, mask_zero=True)(tokens)
+    inner = keras.Model(tokens, keras.layers.Dense(vocabulary)(h))
+    x = rng.integers(1, vocabulary, size=(6, steps)).astype("int32")
+    for i, n in enumerate([1, 2, 5, 3, 5, 4]):
+        x[i, n:] = 0
+    y = np.roll(x, -1, axis=1)
+    predicted = keras.ops.convert_to_numpy(inner(x)).argmax(-1)
+    model, (ours, keras_loss), logs = _reported_and_keras_loss(
+        inner, x, y, keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+        metrics=metrics)
+    np.testing.assert_allclose(ours, keras_loss, rtol=1e-6)
+    if metrics:  # over the valid tokens only (Keras's own JAX step drops the mask here)
+        np.testing.assert_allclose(float(logs["sparse_categorical_accuracy"]),
+                                   (predicted == y)[x != 0].mean(), rtol=1e-6)
+    mean_of_means = float(keras.ops.mean(model.per_example().compute(x, y).losses))
+    assert abs(mean_of_means - keras_loss) > 1e-3  # the case where the fallback matters
+    assert pergrad.keras.step.loss_from_per_example_losses(
+        model, model.per_example().compute(x, y)) is None
+
+
 # -- Keras surface ----------------------------------------------------------------------------------
 
 @BOTH

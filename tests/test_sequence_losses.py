@@ -127,3 +127,21 @@ def test_per_example_model_averages_over_each_examples_valid_positions(rng):
     start = _token_classifier().get_weights()
     for got, before, step in zip(ours.model.get_weights(), start, expected, strict=True):
         np.testing.assert_allclose(got - before, step, rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.parametrize("strategy", ["auto", "jacobian", "vmap", "loop"])
+def test_predictions_keep_the_padding_mask_on_every_route(rng, strategy):
+    """The engine's predictions carry the model output's Keras mask on every route (a detached
+    copy, or an output through ``jax.vjp``'s or ``jacrev``'s auxiliary values, would drop it):
+    the train step's reported loss and metrics read it. NumPy inputs and targets run on every
+    route (PyTorch's ``vmap`` maps over tensors only: they are converted first)."""
+    x, y, _ = _padded_tokens(rng)
+    tokens = keras.Input((T,), dtype="int32")
+    h = keras.layers.Embedding(7, 4, mask_zero=True)(tokens)
+    model = keras.Model(tokens, keras.layers.Dense(7)(h))
+    pex = pergrad.PerExample(model, keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                             strategy=strategy)
+    result = pex.compute(x, y)
+    mask = pergrad._compat.keras_mask(result.predictions)
+    assert mask is not None
+    np.testing.assert_array_equal(keras.ops.convert_to_numpy(mask), x != 0)

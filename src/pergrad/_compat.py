@@ -63,6 +63,18 @@ def keras_mask(tensor: Any) -> Any:
     return get_keras_mask(tensor)
 
 
+def set_keras_mask(tensor: Any, mask: Any) -> None:
+    """Attach ``mask`` to ``tensor`` as its Keras mask, where Keras's losses and metrics read it
+    (``keras.src.backend.common.masking.set_keras_mask``; the ``_keras_mask`` attribute before
+    Keras 3.6)."""
+    try:
+        from keras.src.backend.common.masking import set_keras_mask as keras_set
+    except ImportError:  # Keras < 3.6
+        tensor._keras_mask = mask
+        return
+    keras_set(tensor, mask)
+
+
 def micro_steps(optimizer: Any) -> Any:
     """The number of ``apply`` calls an optimizer has made (``BaseOptimizer._iterations``):
     under ``gradient_accumulation_steps=k`` its public ``iterations`` counts the updates (every
@@ -77,6 +89,12 @@ def symbolic_build(model: Any, data_batch: Any) -> None:
     them inside its first call, which ``tf.function`` then runs behind a ``cond`` of lifted
     initializers."""
     model._symbolic_build(data_batch=data_batch)
+
+
+def compiled_metrics(model: Any) -> Any:
+    """The container of the metrics passed to ``compile`` (``Trainer._compile_metrics``), or
+    ``None`` when none were."""
+    return model._compile_metrics
 
 
 def loss_tracker(model: Any) -> Any:

@@ -190,10 +190,11 @@ def _step_calls(name: str, batch: int, skip: tuple[str, ...] = ()
 
 def run(quick: bool = False, models: tuple[str, ...] | None = None,
         batch_size: int | None = None, echo: bool = False,
-        skip: tuple[str, ...] = ()) -> list[dict]:
+        skip: tuple[str, ...] = (), rounds: int | None = None) -> list[dict]:
     """One row per model: median seconds of the batch gradient and the plain Keras step, and
     pergrad's norms, clipped sum and ``dp_mean`` step as ratios to them. ``quick``: batch 8,
     3 rounds, the two LoRA models (a smoke run). ``echo``: print each row once measured.
+    ``rounds``: alternating rounds per median (default 10, 3 when ``quick``).
     ``skip``: labels of calls not to time (``"norms"``, ``"clipped_sum"``, ``"dp_mean step"``,
     ``"jax_privacy step"``; the two baselines are always timed); their cells print ``-``."""
     unknown = set(skip) - set(SKIPPABLE)
@@ -201,7 +202,7 @@ def run(quick: bool = False, models: tuple[str, ...] | None = None,
         raise ValueError(f"skip: unknown labels {sorted(unknown)}")
     models = models or (("bert_lora", "gemma_lora") if quick else tuple(MODELS))
     batch = batch_size or (8 if quick else DEFAULT_BATCH)
-    rounds = 3 if quick else 10
+    rounds = rounds or (3 if quick else 10)
     rows = []
     for name in models:
         engine = alternating_medians(_engine_calls(name, batch, skip), rounds)
@@ -247,6 +248,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--skip", default="",
                         help="comma list of calls not to time, from norms,clipped_sum,"
                              "dp_mean step,jax_privacy step")
+    parser.add_argument("--rounds", type=int, default=None,
+                        help="alternating rounds per median (default 10; --quick: 3)")
     parser.add_argument("--json", metavar="PATH", help="also write the rows as JSON")
     args = parser.parse_args(argv)
     skip = tuple(label for label in args.skip.split(",") if label)
@@ -254,10 +257,13 @@ def main(argv: list[str] | None = None) -> int:
     unknown = [m for m in models or () if m not in MODELS]
     if unknown or (args.batch_size is not None and args.batch_size < 1):
         parser.error(f"unknown models {unknown}" if unknown else "--batch-size must be positive")
+    if args.rounds is not None and args.rounds < 1:
+        parser.error("--rounds must be positive")
     unknown_skip = set(skip) - set(SKIPPABLE)
     if unknown_skip:
         parser.error(f"--skip: unknown labels {sorted(unknown_skip)}; from {','.join(SKIPPABLE)}")
-    rows = run(quick=args.quick, models=models, batch_size=args.batch_size, echo=True, skip=skip)
+    rows = run(quick=args.quick, models=models, batch_size=args.batch_size, echo=True, skip=skip,
+               rounds=args.rounds)
     if args.json:
         with open(args.json, "w") as handle:
             json.dump(rows, handle, indent=2)

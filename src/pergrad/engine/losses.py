@@ -79,6 +79,9 @@ def leaf_loss(loss: Any, like_compile: bool = False) -> PerExampleLoss:
     instead divides by the valid entries of the whole batch, a batch statistic that would let
     one example change another's gradient, so with masks ``mean_i l_i`` equals Keras's loss only
     when every example has the same number of valid entries.
+
+    The returned function's attribute ``masked`` turns ``True`` once a call has applied a mask
+    (read by the train step, which then reports Keras's own batch-wide masked loss).
     """
     if isinstance(loss, str):
         if like_compile and loss.lower() in ("crossentropy", "ce"):
@@ -112,6 +115,7 @@ def leaf_loss(loss: Any, like_compile: bool = False) -> PerExampleLoss:
             raise scalar_loss_error(name)
         mask = _combined_mask(padding, keras_mask(values), values)
         if mask is not None:
+            per_example.masked = True
             values = _masked_per_example(values, mask, like_compile)
         elif rank(values) > 1:
             axes = list(range(1, rank(values)))
@@ -120,6 +124,7 @@ def leaf_loss(loss: Any, like_compile: bool = False) -> PerExampleLoss:
             values = ops.cast(values, "float32")
         return values
 
+    per_example.masked = False
     return per_example
 
 

@@ -30,6 +30,7 @@ from pergrad._compat import autocast_scope, call_takes_training
 from pergrad.engine.functional import assign_written, example_loss, one_example_call, stateless
 from pergrad.engine.intercept import record_calls
 from pergrad.engine.losses import weighted_losses
+from pergrad.engine.masks import masks_of, with_masks
 from pergrad.engine.plan import Plan, draws_random
 from pergrad.engine.result import PerExampleResult
 from pergrad.rules import LayerCall, combine
@@ -124,12 +125,13 @@ def run_auto(model, plan: Plan, loss_fn, x, y, sample_weight, training: bool,
             inner[k] = value
         recorded = _Pass(model, plan, loss_fn, x, y, sample_weight, training, inner, taps)
         inputs = [_record_parts(r)[0] for r in recorded.order]
-        aux = (recorded.predictions, recorded.writes, inputs)
+        aux = (recorded.predictions, masks_of(recorded.predictions), recorded.writes, inputs)
         return recorded.losses, aux
 
     residual_values = [values[k] for k in residual_index]
-    losses, pullback, (predictions, writes, inputs) = jax.vjp(
+    losses, pullback, (predictions, masks, writes, inputs) = jax.vjp(
         forward, zeros, residual_values, has_aux=True)
+    predictions = with_masks(predictions, masks)
     tap_grads, _ = pullback(jnp.ones_like(losses))
     if residual_index:
         eye = jnp.eye(losses.shape[0], dtype=losses.dtype)
@@ -278,11 +280,11 @@ def run_jacobian(model, loss_fn, x, y, sample_weight, training: bool) -> PerExam
 
     def with_aux(values):
         losses, predictions = losses_of(values)
-        return losses, (losses, predictions)
+        return losses, (losses, predictions, masks_of(predictions))
 
     values = current_values(model.trainable_variables)
-    grads, (losses, predictions) = jax.jacrev(with_aux, has_aux=True)(values)
-    return _materialized(model, grads, losses, predictions)
+    grads, (losses, predictions, masks) = jax.jacrev(with_aux, has_aux=True)(values)
+    return _materialized(model, grads, losses, with_masks(predictions, masks))
 
 
 RUNNERS: dict[str, Any] = {"jacobian": run_jacobian, "vmap": run_vmap, "loop": run_loop}

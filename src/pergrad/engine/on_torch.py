@@ -30,11 +30,13 @@ from typing import Any
 
 import keras
 import torch
+from keras import ops
 
 from pergrad._compat import autocast_scope, call_takes_training, torch_convolutions_in_vmap
 from pergrad.engine.functional import example_loss, one_example_call
 from pergrad.engine.intercept import record_calls
 from pergrad.engine.losses import weighted_losses
+from pergrad.engine.masks import map_keeping_masks, masks_of, with_masks
 from pergrad.engine.plan import Plan, draws_random
 from pergrad.engine.result import PerExampleResult
 from pergrad.rules import LayerCall, combine
@@ -55,6 +57,12 @@ def _floating_leaves(structure) -> list:
 
 def _detached(structure):
     return keras.tree.map_structure(lambda t: t.detach() if _is_tensor(t) else t, structure)
+
+
+def _detached_predictions(predictions):
+    """The predictions outside autograd, each with its Keras mask (the report's loss reads it)."""
+    return map_keeping_masks(lambda t: t.detach() if _is_tensor(t) else t, predictions,
+                             on_mask=lambda m: m.detach() if _is_tensor(m) else m)
 
 
 def _values(variables: list) -> list:
@@ -113,7 +121,7 @@ def run_auto(model, plan: Plan, loss_fn, x, y, sample_weight, training: bool,
             Materialized(variable, grad.to(_torch_dtype(variable))))
     trainable = list(model.trainable_variables)
     forms = [combine(by_variable[id(v)]) if id(v) in by_variable else None for v in trainable]
-    return PerExampleResult(trainable, forms, losses.detach(), _detached(predictions))
+    return PerExampleResult(trainable, forms, losses.detach(), _detached_predictions(predictions))
 
 
 def _torch_dtype(variable) -> torch.dtype:
@@ -221,7 +229,7 @@ def _materialized(model, grads, losses, predictions) -> PerExampleResult:
     variables = list(model.trainable_variables)
     forms = [Materialized(v, g.to(_torch_dtype(v))) for v, g in zip(variables, grads,
                                                                     strict=True)]
-    return PerExampleResult(variables, forms, losses.detach(), _detached(predictions))
+    return PerExampleResult(variables, forms, losses.detach(), _detached_predictions(predictions))
 
 
 def _predictions(model, x, training: bool):
@@ -240,6 +248,9 @@ def run_vmap(model, loss_fn, x, y, sample_weight, training: bool) -> PerExampleR
         grads, loss = value_and_grad(values, xi, yi, wi)
         return loss, grads
 
+    # vmap maps over tensors only: NumPy inputs and targets become tensors first.
+    x, y = (keras.tree.map_structure(lambda t: t if t is None else ops.convert_to_tensor(t), s)
+            for s in (x, y))
     try:
         with torch_convolutions_in_vmap():
             losses, grads = torch.func.vmap(one)(x, y, _unit_weights(x, sample_weight))
@@ -290,11 +301,11 @@ def run_jacobian(model, loss_fn, x, y, sample_weight, training: bool) -> PerExam
 
     def with_aux(values):
         losses, predictions = losses_of(values)
-        return losses, (losses, predictions)
+        return losses, (losses, predictions, masks_of(predictions))
 
-    grads, (losses, predictions) = torch.func.jacrev(with_aux, has_aux=True)(
+    grads, (losses, predictions, masks) = torch.func.jacrev(with_aux, has_aux=True)(
         _values(model.trainable_variables))
-    return _materialized(model, grads, losses, predictions)
+    return _materialized(model, grads, losses, with_masks(predictions, masks))
 
 
 RUNNERS: dict[str, Any] = {"jacobian": run_jacobian, "vmap": run_vmap, "loop": run_loop}

@@ -40,12 +40,20 @@ __all__ = ["INDEX_KEY", "PerExampleModel", "compiled_per_example_loss"]
 
 
 def _weighted_leaf(loss, weight):
+    """One output's per-example loss times its ``loss_weights`` entry; ``leaf`` is the
+    :func:`leaf_loss` inside (``None`` for an output without a loss), whose ``masked`` the
+    train step reads."""
     leaf = None if loss is None else leaf_loss(loss, like_compile=True)
     if leaf is None:  # no loss for this output
-        return lambda y_true, y_pred: ops.zeros([ops.shape(y_pred)[0]], keras.config.floatx())
-    if weight is None or float(weight) == 1.0:
+        def weighted(y_true, y_pred):
+            return ops.zeros([ops.shape(y_pred)[0]], keras.config.floatx())
+    elif weight is None or float(weight) == 1.0:
         return leaf
-    return lambda y_true, y_pred: leaf(y_true, y_pred) * float(weight)
+    else:
+        def weighted(y_true, y_pred):
+            return leaf(y_true, y_pred) * float(weight)
+    weighted.leaf = leaf
+    return weighted
 
 
 def compiled_per_example_loss(loss, loss_weights, output_names, dict_outputs: bool):
@@ -184,6 +192,12 @@ class PerExampleModel(keras.Model):
             logical_batches.add_accumulators(self)
 
     # -- Keras plumbing -----------------------------------------------------------------------------
+    @property
+    def output_names(self) -> list | None:
+        """The inner model's output names (``None`` for a subclassed one): ``compile`` names each
+        output's logged loss and metrics by them, as for the inner model itself."""
+        return getattr(self.model, "output_names", None)
+
     def call(self, inputs, training=None):
         inputs, _ = step.split_indices(inputs)
         return self.model(inputs, training=training)

@@ -41,9 +41,11 @@ import keras
 from keras import ops
 
 from pergrad import aggregate
-from pergrad._compat import compiled_loss, loss_tracker
+from pergrad._compat import compiled_loss, compiled_metrics, loss_tracker
 from pergrad.aggregate import noise
-from pergrad.backend.ops import vjp, zero_rows
+from pergrad.backend import is_tensorflow
+from pergrad.backend.ops import add_n, vjp, zero_rows
+from pergrad.engine.masks import map_keeping_masks
 from pergrad.keras import logical_batches
 
 INDEX_KEY = "example_index"
@@ -276,14 +278,27 @@ def call_monitor(model, result, indices, sample_weight, extras: dict) -> dict:
 
 def report(model, x, y, result, sample_weight, dropped, replicas: int = 1,
            kept_rows=None) -> dict:
-    """Keras's loss and metrics, on predictions whose non-finite rows are zeroed and weighted 0
-    (a dropped example does not turn the reported loss into NaN).
+    """Keras's loss and metrics of this step; a dropped example does not turn them into NaN.
+
+    The loss is ``sum_i w_i l_i / B + sum(model.losses)``, Keras's ``sum_over_batch_size``
+    reduction, over the examples whose weighted loss ``w_i l_i`` is finite. Where the engine's
+    per-example losses give it exactly (one output, no mask, no ``compute_loss`` override:
+    :func:`loss_from_per_example_losses`) it is read from them; otherwise, and for
+    the compiled metrics, Keras's compiled loss and metrics run again on predictions whose
+    non-finite rows are zeroed and weighted 0.
 
     Rows of weight 0 (Poisson padding, dropped examples) count in no weighted metric;
     ``kept_rows(structure, counted)`` may also remove them (TensorFlow and PyTorch do, so the
     unweighted ``metrics=`` skip them too; JAX keeps static shapes). Keras scales each
     replica's loss by ``1 / replicas``; its tracker is given the loss times ``replicas``."""
     batch = result.batch_size
+    model.dropped_examples.update_state(dropped)
+    loss = loss_from_per_example_losses(model, result, replicas)
+    metrics = has_compiled_metrics(model)
+    if loss is not None and not metrics:
+        loss_tracker(model).update_state(loss * ops.cast(replicas, loss.dtype),
+                                          sample_weight=batch)
+        return model.compute_metrics(x, y, result.predictions, sample_weight=sample_weight)
     keep = ops.logical_and(ops.isfinite(result.losses),
                            _rows_finite(result.predictions, batch))
     keep = ops.logical_and(keep, _rows_finite(y, batch))
@@ -296,12 +311,61 @@ def report(model, x, y, result, sample_weight, dropped, replicas: int = 1,
         weight = _zero_rows(sw, keep) * weight
     counted = ops.any(ops.reshape(ops.not_equal(weight, 0), [batch, -1]), axis=1)
     weight = loss_weights(weight, y_pred)
-    loss = compiled_loss(model, x, y, y_pred, weight)
+    if loss is None:
+        loss = compiled_loss(model, x, y, y_pred, weight)
     loss_tracker(model).update_state(loss * ops.cast(replicas, loss.dtype), sample_weight=batch)
-    model.dropped_examples.update_state(dropped)
     if kept_rows is not None:
-        y, y_pred, weight = (kept_rows(t, counted) for t in (y, y_pred, weight))
+        y, y_pred, weight = (map_keeping_masks(lambda t: kept_rows(t, counted), s,
+                                               on_mask=lambda m: kept_rows(m, counted))
+                             for s in (y, y_pred, weight))
     return model.compute_metrics(x, y, y_pred, sample_weight=weight)
+
+
+def loss_from_per_example_losses(model, result, replicas: int = 1) -> Any:
+    """Keras's loss of the step, ``(sum_i w_i l_i / B) / replicas + sum(model.losses)`` (as
+    ``Model._compute_loss`` scales it), from the engine's per-example losses ``w_i l_i``, a
+    non-finite one counted as 0; ``None`` where their batch mean is not Keras's loss or not all
+    Keras reports: a loss that applied a mask (Keras divides by the valid entries of the whole
+    batch, the engine by each example's own), a model that overrides ``compute_loss``, one
+    with several outputs (Keras also logs each output's loss), or a step under ``tf.distribute``
+    (Keras's own loss scaling and tracking there)."""
+    if type(model).compute_loss is not keras.Model.compute_loss:
+        return None
+    if len(keras.tree.flatten(result.predictions)) > 1 or _under_tf_distribute(replicas):
+        return None
+    if any(_applied_mask(fn) for fn in keras.tree.flatten(model._per_example_loss)):
+        return None
+    losses = result.losses
+    kept = ops.where(ops.isfinite(losses), losses, ops.zeros_like(losses))
+    loss = ops.sum(kept) / ops.cast(result.batch_size * replicas, losses.dtype)
+    regularization = [ops.sum(ops.cast(r, losses.dtype)) for r in model.losses]
+    return loss + add_n(regularization) if regularization else loss
+
+
+def _under_tf_distribute(replicas: int) -> bool:
+    """Whether the step runs on several replicas or inside a ``tf.distribute`` strategy, where
+    Keras's reduction and loss tracking are its own (kept as they are: the compiled loss)."""
+    if replicas != 1:
+        return True
+    if not is_tensorflow():
+        return False
+    import tensorflow as tf
+
+    return tf.distribute.has_strategy()
+
+
+def _applied_mask(loss_fn) -> bool:
+    """Whether a per-example loss (``leaf_loss``'s, perhaps weighted) has applied a mask; an
+    unknown function might have."""
+    leaf = getattr(loss_fn, "leaf", loss_fn)
+    return leaf is not None and getattr(leaf, "masked", True)
+
+
+def has_compiled_metrics(model) -> bool:
+    """Whether ``compute_metrics`` reads the predictions: metrics were compiled, or the model
+    overrides it."""
+    return (compiled_metrics(model) is not None
+            or type(model).compute_metrics is not keras.Model.compute_metrics)
 
 
 def loss_weights(weight: Any, predictions: Any) -> Any:
@@ -338,8 +402,8 @@ def _rows_finite(structure, batch) -> Any:
 
 
 def _zero_rows(structure, keep) -> Any:
-    return keras.tree.map_structure(
-        lambda t: t if t is None or not _is_float(t) else zero_rows(t, keep), structure)
+    """Every floating leaf with the rows not in ``keep`` zeroed, its Keras mask kept."""
+    return map_keeping_masks(lambda t: t if not _is_float(t) else zero_rows(t, keep), structure)
 
 
 # -- defaults of the backend parts ----------------------------------------------------------------
