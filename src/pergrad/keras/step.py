@@ -296,8 +296,7 @@ def report(model, x, y, result, sample_weight, dropped, replicas: int = 1,
     loss = loss_from_per_example_losses(model, result, replicas)
     metrics = has_compiled_metrics(model)
     if loss is not None and not metrics:
-        loss_tracker(model).update_state(loss * ops.cast(replicas, loss.dtype),
-                                          sample_weight=batch)
+        loss_tracker(model).update_state(loss, sample_weight=batch)
         return model.compute_metrics(x, y, result.predictions, sample_weight=sample_weight)
     keep = ops.logical_and(ops.isfinite(result.losses),
                            _rows_finite(result.predictions, batch))
@@ -322,13 +321,13 @@ def report(model, x, y, result, sample_weight, dropped, replicas: int = 1,
 
 
 def loss_from_per_example_losses(model, result, replicas: int = 1) -> Any:
-    """Keras's loss of the step, ``(sum_i w_i l_i / B) / replicas + sum(model.losses)`` (as
-    ``Model._compute_loss`` scales it), from the engine's per-example losses ``w_i l_i``, a
-    non-finite one counted as 0; ``None`` where their batch mean is not Keras's loss or not all
+    """Keras's loss of the step, ``sum_i w_i l_i / B + sum(model.losses)`` (as
+    ``Model._compute_loss`` computes it on one replica), from the engine's per-example losses
+    ``w_i l_i``, a non-finite one counted as 0; ``None`` where their batch mean is not Keras's loss or not all
     Keras reports: a loss that applied a mask (Keras divides by the valid entries of the whole
     batch, the engine by each example's own), a model that overrides ``compute_loss``, one
-    with several outputs (Keras also logs each output's loss), or a step under ``tf.distribute``
-    (Keras's own loss scaling and tracking there)."""
+    with several outputs (Keras also logs each output's loss), or a step on several replicas
+    or under ``tf.distribute`` (Keras's own loss scaling and tracking there)."""
     if type(model).compute_loss is not keras.Model.compute_loss:
         return None
     if len(keras.tree.flatten(result.predictions)) > 1 or _under_tf_distribute(replicas):
@@ -337,7 +336,7 @@ def loss_from_per_example_losses(model, result, replicas: int = 1) -> Any:
         return None
     losses = result.losses
     kept = ops.where(ops.isfinite(losses), losses, ops.zeros_like(losses))
-    loss = ops.sum(kept) / ops.cast(result.batch_size * replicas, losses.dtype)
+    loss = ops.sum(kept) / ops.cast(result.batch_size, losses.dtype)
     regularization = [ops.sum(ops.cast(r, losses.dtype)) for r in model.losses]
     return loss + add_n(regularization) if regularization else loss
 
