@@ -18,11 +18,10 @@ depthwise convolution with the output gradient as its filter) and the batch filt
 each giving the norms and the weighted sum as ``clipped_sum`` does.
 
 With ``--route-off`` the rule's route is the one it took before the grouped route existed
-(``pergrad.rules.cost.grouped_filter_gradients_win``, or on PyTorch
-``torch_grouped_filter_gradients_win``, refusing), which is what the tables in
+(``pergrad.backend.routes.forced(grouped_conv=None)``), which is what the tables in
 docs/benchmarks.md compare. On PyTorch the functions run eagerly (the rule's patches are built
-only if its route reads them, ``pergrad.rules.forms.Deferred``) and ``grouped`` is
-``pergrad.rules.conv._torch_grouped_products``. Nothing here asserts on timings.
+only if its route reads them, ``pergrad.rules.forms.Deferred``). Nothing here asserts on
+timings.
 
     python benchmarks/ab_conv_routes.py --route-off            # the table in docs/benchmarks.md
     python benchmarks/ab_conv_routes.py --layers cnn1,cnn2
@@ -38,6 +37,7 @@ import contextlib
 import keras
 import numpy as np
 
+from pergrad.backend import routes
 from pergrad.backend.lazy import tensorflow as tf
 from pergrad.bench.timing import alternating_medians
 from pergrad.rules import conv, depthwise
@@ -146,18 +146,9 @@ def _depthwise_main(layers: list[str], rounds: int) -> None:
               + " |", flush=True)
 
 
-@contextlib.contextmanager
 def _grouped_refused(refused: bool):
-    names = ("grouped_filter_gradients_win", "torch_grouped_filter_gradients_win")
-    originals = [getattr(conv, name) for name in names]
-    if refused:
-        for name in names:
-            setattr(conv, name, lambda *a, **k: False)
-    try:
-        yield
-    finally:
-        for name, original in zip(names, originals, strict=True):
-            setattr(conv, name, original)
+    """The grouped route refused (no native grouped filter gradient) while ``refused``."""
+    return routes.forced(grouped_conv=None) if refused else contextlib.nullcontext()
 
 
 def _torch_calls(name: str, route_off: bool) -> dict:
@@ -181,7 +172,7 @@ def _torch_calls(name: str, route_off: bool) -> dict:
 
     @torch.no_grad()
     def grouped():
-        g = conv._torch_grouped_products(layer, x, d)  # (B, 1, O, K C)
+        g = conv._grouped_products(layer, x, d)  # (B, 1, O, K C)
         return torch.sum(torch.square(g), [1, 2, 3]), torch.einsum("bgoi,b->igo", g, c)
 
     def batch_filter_gradient():

@@ -1,15 +1,16 @@
 """One route of the rules against another, in one process.
 
 Two ``PerExample`` objects over the same model and batch: one traced as usual, one traced with
-a route switched off (``--switch``):
+a route switched off (``--switch``; most switches are fields of the backend's route profile,
+forced with ``pergrad.backend.routes.forced``):
 
-* ``folded``: ``pergrad.rules.conv.folded_products_win`` always refuses, so strided
-  convolutions take the patch route;
+* ``folded``: no folded products (``Routes.folded_conv_products``), so strided convolutions
+  take the patch route;
 * ``one_pass_norms``: TensorFlow's per-example squared norms of built per-example matrices sum
   the squares (``Square`` then ``Sum``) instead of squaring one ``EuclideanNorm`` reduction
   (``pergrad.backend.ops.row_squared_norms``);
 * ``pairwise_rows``: an embedding table's per-example norms take ``tf.unique`` and two segment
-  sums rather than the pairwise form (``pergrad.rules.cost.rows_pairwise_wins``);
+  sums rather than the pairwise form (``Routes.embedding_pairwise_max_positions``);
 * ``shifted_ghost``: a stride-1 convolution's norms alone take its per-example products
   rather than the shifted Gram of its input (``pergrad.rules.cost.shifted_ghost_wins``);
 * ``xla_filter_sum``: on JAX, a one-dimensional stride-1 convolution's batch kernel gradient
@@ -17,13 +18,14 @@ a route switched off (``--switch``):
   norms the per-example products rather than the shifted ghost route
   (``pergrad.rules.cost.xla_filter_gradient_wins``);
 * ``lazy_patches``: on PyTorch, a convolution's patches are built as its rule starts, read or
-  not, as before they were deferred (``pergrad.rules.forms.Deferred``);
+  not, as before they were deferred (``Routes.eager``, ``pergrad.rules.forms.Deferred``);
 * ``torch_grouped``: on PyTorch, the grouped filter gradient's route
-  (``pergrad.rules.cost.torch_grouped_filter_gradients_win``) refused;
+  (``Routes.grouped_conv``) refused;
 * ``torch_slices``: on PyTorch, wide 1-D and 2-D patches gathered by a one-hot convolution
-  rather than strided slices (``pergrad.rules.conv.patches_by_slices``);
+  rather than strided slices (``Routes.wide_patches_by_slices``);
 * ``torch_depthwise``: on PyTorch, depthwise kernels' per-example products by the einsum over
-  their patches rather than one grouped filter gradient (the depthwise rule as on JAX);
+  their patches rather than one grouped filter gradient (``Routes.depthwise_products``, as on
+  JAX);
 * ``xla_outer``: on TensorFlow, a one-position layer's per-example kernel gradients (a Dense
   layer's outer products) written by TensorFlow's broadcasting ``Mul`` rather than one nested
   XLA computation (``pergrad.backend.ops.outer_products``);
@@ -37,11 +39,13 @@ a route switched off (``--switch``):
 * ``grouped``: on TensorFlow, a convolution that takes one grouped filter gradient with the
   batch as groups for its per-example products (wide enough patches, or the shifted route's
   geometry with few channels) takes the patches or the shifted products instead
-  (``pergrad.rules.cost.grouped_filter_gradients_win``).
+  (``Routes.grouped_conv``).
 
 ``folded``, ``one_pass_norms``, ``pairwise_rows``, ``grouped`` and ``xla_outer`` are TensorFlow
-routes; ``xla_rows`` runs on TensorFlow and PyTorch; ``direct_products`` runs everywhere; ``shifted_ghost`` runs on JAX too (``KERAS_BACKEND=jax``, against JAX's jitted batch gradient),
-and ``xla_filter_sum`` is a JAX route; ``lazy_patches``, ``torch_grouped``, ``torch_slices`` and ``torch_depthwise`` are PyTorch ones
+routes; ``xla_rows`` runs on TensorFlow and PyTorch; ``direct_products`` runs everywhere;
+``shifted_ghost`` runs on JAX too (``KERAS_BACKEND=jax``, against JAX's jitted batch gradient),
+and ``xla_filter_sum`` is a JAX route; ``lazy_patches``, ``torch_grouped``, ``torch_slices`` and
+``torch_depthwise`` are PyTorch ones
 (``KERAS_BACKEND=torch``, against ``torch.autograd.grad`` of the summed loss through one eager
 call). Several switches separated by commas are switched off together. On PyTorch nothing is
 traced, so the switches are held around every call of the route they switch off.
@@ -71,16 +75,18 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import importlib
 
 import keras
 
 import pergrad
 from pergrad.backend import ops as backend_ops
+from pergrad.backend import routes
 from pergrad.backend.lazy import tensorflow as tf
 from pergrad.bench.engine import LOSS
 from pergrad.bench.models import MODELS, batch, twin
 from pergrad.bench.timing import alternating_medians, print_ratios
-from pergrad.rules import conv, cost, depthwise, forms
+from pergrad.rules import conv, forms
 
 
 @contextlib.contextmanager
@@ -96,25 +102,25 @@ def _replaced(module, name: str, value):
 #: ``--switch`` name: (label with the route, label without it, context that switches it off).
 SWITCHES = {
     "folded": ("folded", "patches",
-               lambda: _replaced(conv, "folded_products_win", lambda *a, **k: False)),
+               lambda: routes.forced(folded_conv_products=False)),
     "one_pass_norms": ("one pass", "square+sum",
-                       lambda: _replaced(backend_ops, "_tensorflow_row_squared_norms",
+                       lambda: _replaced(importlib.import_module("pergrad.backend.tensorflow.ops"),
+                                         "_euclidean_row_squared_norms",
                                          lambda flat: tf.reduce_sum(tf.square(flat), axis=1))),
     "pairwise_rows": ("pairwise", "unique",
-                      lambda: _replaced(cost, "rows_pairwise_wins", lambda *a, **k: False)),
+                      lambda: routes.forced(embedding_pairwise_max_positions=None)),
     "shifted_ghost": ("shifted ghost", "products",
                       lambda: _replaced(conv, "shifted_ghost_wins", lambda *a, **k: False)),
     "grouped": ("grouped", "patches",
-                lambda: _replaced(conv, "grouped_filter_gradients_win", lambda *a, **k: False)),
+                lambda: routes.forced(grouped_conv=None)),
     "lazy_patches": ("deferred patches", "patches first",
-                     lambda: _replaced(conv, "Deferred", lambda build, shape, dtype: build())),
+                     lambda: routes.forced(eager=False)),
     "torch_grouped": ("grouped", "patches",
-                      lambda: _replaced(conv, "torch_grouped_filter_gradients_win",
-                                        lambda *a, **k: False)),
+                      lambda: routes.forced(grouped_conv=None)),
     "torch_slices": ("slices", "one-hot",
-                     lambda: _replaced(conv, "patches_by_slices", lambda width: False)),
+                     lambda: routes.forced(wide_patches_by_slices=False)),
     "torch_depthwise": ("native depthwise", "depthwise einsum",
-                        lambda: _replaced(depthwise, "is_torch", lambda: False)),
+                        lambda: routes.forced(depthwise_products="einsum")),
     "xla_filter_sum": ("filter+ghost", "products",
                        lambda: _replaced(conv, "xla_filter_gradient_wins",
                                          lambda *a, **k: False)),

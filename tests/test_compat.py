@@ -281,7 +281,7 @@ def test_plain_ops_where_nested_xla_does_not_run(monkeypatch):
     """Where TensorFlow cannot compile a nested ``jit_compile=True`` function (a build or device
     plugin without XLA), ``outer_products`` and ``segment_sum`` stay plain ops with the same
     numbers; here XLA runs, which the probe says."""
-    from pergrad.backend import ops as backend_ops
+    from pergrad.backend.tensorflow import ops as backend_ops
 
     assert backend_ops._nested_xla_runs()
     monkeypatch.setattr(backend_ops, "_nested_xla_runs", lambda: False)

@@ -21,6 +21,7 @@ from scipy import special, stats
 
 from pergrad import backend
 from pergrad.aggregate import noise
+from pergrad.backend import host_random
 
 pytestmark = pytest.mark.all_backends
 
@@ -82,7 +83,7 @@ def test_the_draw_reaches_the_far_tail(monkeypatch):
         assert INVERSE_CDF_CUT > 9.1
         return
     if backend.is_torch():  # NumPy's Philox words and angles, all zero
-        monkeypatch.setattr(noise, "_radius_words_and_angles", lambda generator, pairs, dtype: (
+        monkeypatch.setattr(host_random, "radius_words_and_angles", lambda generator, pairs, dtype: (
             np.zeros(pairs, np.uint64), np.zeros(pairs, dtype)))
         (drawn,) = _draw([np.zeros((4, 3), "float64")], 1.0)
     else:

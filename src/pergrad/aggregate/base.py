@@ -139,25 +139,16 @@ def cross_replica(partial: Partial, gathers: bool) -> Partial:
     identity (on JAX always: ``keras.distribution`` shards one global batch, so the partial is
     already global).
     """
-    if not backend.is_tensorflow():
+    replicas = backend.native().replicas()
+    if replicas is None:
         return partial
-    import tensorflow as tf
-
-    context = tf.distribute.get_replica_context()
-    if context is None or context.num_replicas_in_sync == 1:
-        return partial
-    rows, dropped = context.all_reduce(tf.distribute.ReduceOp.SUM, [partial.rows, partial.dropped])
+    rows, dropped = replicas.sum([partial.rows, partial.dropped])
     if not gathers:
-        values = context.all_reduce(tf.distribute.ReduceOp.SUM, list(partial.values))
-        return Partial(list(values), rows, None, dropped)
-
-    def gather(v):  # all_gather forgets static shapes; the non-batch dimensions are known
-        return tf.reshape(context.all_gather(v, axis=0), [-1, *v.shape[1:]])
-
-    values = [gather(v) for v in partial.values]
-    include = gather(partial.include)
-    examples = None if partial.examples is None else tf.nest.map_structure(gather,
-                                                                          partial.examples)
+        return Partial(replicas.sum(partial.values), rows, None, dropped)
+    values = [replicas.gather(v) for v in partial.values]
+    include = replicas.gather(partial.include)
+    examples = None if partial.examples is None else keras.tree.map_structure(
+        replicas.gather, partial.examples)
     return Partial(values, rows, include, dropped, examples)
 
 
@@ -232,13 +223,9 @@ def gathering_local(result, batch: Batch, with_examples: bool = False) -> Partia
 
 
 def _static_value(t) -> Any:
-    """``t``'s value when known while tracing (a Python int, a constant tensor), else ``None``."""
-    if isinstance(t, (int, float)):
-        return t
-    if backend.is_tensorflow():
-        import tensorflow as tf
-        return tf.get_static_value(t)
-    return None
+    """``t``'s value where it is known now (a Python number, a constant or eager tensor), else
+    ``None``."""
+    return t if isinstance(t, (int, float)) else backend.native().static_value(t)
 
 
 def require_rows(rows, name: str):
@@ -251,18 +238,8 @@ def require_rows(rows, name: str):
                "Skip empty batches, or for DP-SGD over Poisson batches pass "
                "expected_batch_size, which divides by the expected size instead.")
     static = _static_value(rows)
-    if static is None and backend.is_torch():
-        static = float(rows)  # eager: every tensor holds its value
-    if static is None and backend.is_jax():
-        import jax
-        if not isinstance(rows, jax.core.Tracer):
-            static = float(rows)
     if static is not None:
         if float(static) <= 0:
             raise ValueError(message)
         return rows
-    if backend.is_jax():
-        return rows  # JAX shapes are static: the rows were counted from a static shape
-    import tensorflow as tf
-    with tf.control_dependencies([tf.debugging.assert_positive(rows, message=message)]):
-        return tf.identity(rows)
+    return backend.native().assert_positive(rows, message)

@@ -1,15 +1,25 @@
 """The few things that differ between Keras backends, below everything else in pergrad.
 
-Rules, forms and aggregators are written once on :mod:`keras.ops`; this package adds the handful
-of array primitives ``keras.ops`` lacks (:mod:`pergrad.backend.ops`) and says which backend is
-running. The engine's per-backend parts (how one forward pass is recorded and how one backward
-pass reaches the taps) live in :mod:`pergrad.engine.on_tensorflow`, :mod:`pergrad.engine.on_jax`
-and :mod:`pergrad.engine.on_torch`.
+As in Keras itself (``keras/src/backend/{tensorflow,jax,torch}``), each backend is a package
+exporting the same names, declared by :class:`pergrad.backend.protocol.Backend`: array
+primitives ``keras.ops`` lacks, noise keys and draws, and the backend's route choices
+(:class:`pergrad.backend.protocol.Routes`). :func:`native` is the running backend's package,
+chosen once; rules, forms and aggregators ask it instead of testing which backend runs. The
+engine's per-backend parts (how one forward pass is recorded and how one backward pass reaches
+the taps) live in :mod:`pergrad.engine.on_tensorflow`, :mod:`pergrad.engine.on_jax` and
+:mod:`pergrad.engine.on_torch`.
 """
 
 from __future__ import annotations
 
+import functools
+import importlib
+from typing import TYPE_CHECKING
+
 import keras
+
+if TYPE_CHECKING:
+    from pergrad.backend.protocol import Backend
 
 # Where pergrad runs: everything on each of them, but for fit_distributed (tf.distribute's, on
 # TensorFlow only: `require_tensorflow`).
@@ -36,6 +46,14 @@ def is_torch() -> bool:
     return name() == "torch"
 
 
+@functools.cache
+def native() -> Backend:
+    """The running backend's package (``pergrad.backend.tensorflow``, ``.jax`` or ``.torch``),
+    imported on first use and the same for the rest of the process (Keras's backend is fixed
+    when Keras is imported)."""
+    return importlib.import_module(f"pergrad.backend.{require_supported()}")
+
+
 def require_supported(what: str = "pergrad", backends: tuple = SUPPORTED) -> str:
     """The backend's name, or a ``NotImplementedError`` that says which backends run ``what``
     (``backends``: :data:`SUPPORTED` unless given, :data:`ENGINE_SUPPORTED` for the engine)."""
@@ -60,5 +78,5 @@ def require_tensorflow(what: str) -> None:
             "docs/backends.md says what works where.")
 
 
-__all__ = ["ENGINE_SUPPORTED", "SUPPORTED", "is_jax", "is_tensorflow", "is_torch", "name",
+__all__ = ["ENGINE_SUPPORTED", "SUPPORTED", "is_jax", "is_tensorflow", "is_torch", "name", "native",
            "require_supported", "require_tensorflow"]

@@ -70,15 +70,7 @@ def _floating(dtype: Any) -> str:
 def _tensor_float_32() -> bool:
     """Whether float32 matmuls run as TensorFloat-32: TensorFlow's default on a GPU, and JAX's
     default matmul precision on a GPU."""
-    if backend.is_tensorflow():
-        import tensorflow as tf
-        return bool(tf.config.experimental.tensor_float_32_execution_enabled()
-                    and tf.config.list_physical_devices("GPU"))
-    if backend.is_jax():
-        import jax
-        return jax.default_backend() == "gpu" and jax.config.jax_default_matmul_precision in (
-            None, "default", "bfloat16", "tensorfloat32")
-    return False
+    return backend.native().tensor_float_32()
 
 
 def _effective(dtype: Any) -> str:
@@ -108,11 +100,6 @@ def gradient_tolerance(dtype: Any) -> float:
     return _GRADIENT_RTOL[_effective(dtype)]
 
 
-_STATISTICS_LAYERS = tuple(getattr(keras.layers, name) for name in (
-    "LayerNormalization", "RMSNormalization", "GroupNormalization", "BatchNormalization")
-    if hasattr(keras.layers, name))
-
-
 def _layer_rounding(layer) -> str:
     """The dtype whose rounding ``layer``'s output has. On JAX, Keras's dtype promotion maps
     64-bit results to 32-bit (``keras.backend.result_type("float64", "float32")`` is
@@ -122,11 +109,7 @@ def _layer_rounding(layer) -> str:
     ``"float32"`` there, and the torch backend multiplies in that dtype), so every layer of a
     float64 model rounds as float32."""
     dtype = keras.backend.standardize_dtype(layer.compute_dtype)
-    if dtype == "float64" and backend.is_jax() and isinstance(layer, _STATISTICS_LAYERS):
-        return "float32"
-    if dtype == "float64" and backend.is_torch():
-        return "float32"
-    return dtype
+    return backend.native().layer_rounding(layer, dtype)
 
 
 def compute_dtype(model) -> str:

@@ -30,12 +30,11 @@ class ControlFlowError(NotImplementedError):
 
 
 def _graph() -> Any:
-    """The graph being traced (TensorFlow), to tell a loop body from the outer trace; JAX
-    traces have no such handle, and the JAX engine taps no layer that runs inside a loop."""
-    if backend.is_tensorflow():
-        from pergrad._compat import current_graph
-        return current_graph()
-    return None
+    """What the computation being built belongs to (:func:`pergrad.backend.ops.trace_token`:
+    the TensorFlow graph being traced), to tell a loop body from the outer trace; JAX traces
+    have no such handle (the JAX engine taps no layer that runs inside a loop), and PyTorch's
+    eager calls share one."""
+    return backend.native().trace_token()
 
 
 @contextlib.contextmanager

@@ -11,7 +11,6 @@ import numpy as np
 from keras import ops
 
 from pergrad import backend
-from pergrad.backend.ops import wide_float
 from pergrad.engine.arguments import positive_integer, positive_real
 from pergrad.engine.checks import (
     check_rows,
@@ -328,21 +327,13 @@ def _wide_scalar(value: float) -> Any:
     On JAX a NumPy scalar: ``jax.jit`` moves it to the device in its C++ dispatch, where an eager
     ``jnp.asarray`` costs one op dispatch per call (a third of the Embedding bag model's whole
     batch gradient: docs/benchmarks.md, "DP noise, dispatch and compilation")."""
-    if backend.is_jax():
-        return np.asarray(value, wide_float())
-    return ops.convert_to_tensor(value, wide_float())
+    return backend.native().wide_scalar(value)
 
 
 def _tracing(x) -> bool:
     """Whether this runs inside a trace: a TensorFlow graph being built, or ``x`` a JAX tracer
     (a compiled train step calling the check on its batch)."""
-    if backend.is_tensorflow():
-        import tensorflow as tf
-        return not tf.executing_eagerly()
-    if backend.is_torch():
-        return False  # eager: nothing is traced
-    import jax
-    return isinstance(keras.tree.flatten(x)[0], jax.core.Tracer)
+    return backend.native().is_tracing(x)
 
 
 def finite_clipped_sum(result: PerExampleResult, l2_norm_clip) -> tuple[list, Any]:

@@ -194,10 +194,7 @@ class DistributedBackup(keras.callbacks.Callback):
 
 
 def _process_count() -> int:
-    if not backend.is_jax():
-        return 1
-    import jax
-    return jax.process_count()
+    return backend.native().process_count()
 
 
 def _process_index() -> int:

@@ -13,7 +13,8 @@ import keras
 import numpy as np
 from keras import ops
 
-from pergrad.backend import ENGINE_SUPPORTED, is_jax, is_tensorflow, require_supported
+from pergrad import backend
+from pergrad.backend import ENGINE_SUPPORTED, require_supported
 from pergrad.engine import PerExampleResult
 from pergrad.keras.example_tables import ExampleTables, HostTables
 from pergrad.stats import (
@@ -127,8 +128,13 @@ class GradientMonitor(keras.callbacks.Callback):
         self._csv_writer = None
         self._summary_writer = None
         self._warned_order = False
+        # The one backend test of the monitor, on purpose: on TensorFlow its counters and
+        # tables are tf.Variables updated inside the compiled step (no host round trip per
+        # step, and tf.distribute replicas reach them); on JAX and PyTorch they live on the
+        # host (_HostState), reached through backend.native().host_call.
+        self._in_graph = backend.is_tensorflow()
 
-        if is_tensorflow():
+        if self._in_graph:
             import tensorflow as tf
 
             def var(value, dtype, shape=None):
@@ -190,7 +196,7 @@ class GradientMonitor(keras.callbacks.Callback):
             self._warned_order = True
         logits = self.from_logits if self.from_logits is not None else from_logits
         classes = self._classification(result, labels, logits)
-        if is_tensorflow():
+        if self._in_graph:
             return self._compute_tensorflow(result, indices, sample_weight, learning_rate,
                                             classes, alongside)
         shared = None if alongside is None else alongside(result)
@@ -243,25 +249,19 @@ class GradientMonitor(keras.callbacks.Callback):
         dtype = result.norm_dtype
         batch = int(result.batch_size)
         host = self._host
-        if is_jax():
-            import jax
-            from jax.experimental import io_callback
-
-            spec = (jax.ShapeDtypeStruct((), "bool"),
-                    jax.ShapeDtypeStruct((len(LOGGED_STATISTICS) + 1,), dtype))
-            # The host counts the step and says whether it is monitored (and what the last
-            # monitored step's values were); only then does the step compute anything.
-            monitored, last = io_callback(
-                lambda: host.begin(batch, self.every_n_steps, dtype), spec, ordered=True)
-        else:
-            monitored, last = host.begin(batch, self.every_n_steps, dtype)
+        native = backend.native()
+        # The host counts the step and says whether it is monitored (and what the last
+        # monitored step's values were); only then does the step compute anything.
+        monitored, last = native.host_call(
+            lambda: host.begin(batch, self.every_n_steps, dtype),
+            [((), "bool"), ((len(LOGGED_STATISTICS) + 1,), dtype)])
 
         def record(values: dict) -> None:
             host.record(values, self.track_examples, self.num_examples)
 
-        def run():  # rebuilt: skipped steps must not compute what only this reads
-            stats, active, values = step_statistics(result.rebuilt() if is_jax() else result,
-                                                    sample_weight)
+        def run():  # traced: rebuilt, so that skipped steps compute nothing only this reads
+            stats, active, values = step_statistics(
+                result if native.ROUTES.eager else result.rebuilt(), sample_weight)
             payload = {"values": values, "norms": stats["norms"],
                        "cosine_to_batch": stats["cosine_to_batch"], "active": active}
             if self.track_examples:
@@ -272,16 +272,10 @@ class GradientMonitor(keras.callbacks.Callback):
                 if classes is not None:
                     payload.update({f"class_{k}": v for k, v in classes.items()})
             payload = {k: ops.convert_to_tensor(v) for k, v in payload.items()}
-            if is_jax():
-                io_callback(record, None, payload, ordered=True)
-            else:
-                record({k: ops.convert_to_numpy(v) for k, v in payload.items()})
+            native.host_call(record, None, payload)
             return values
 
-        if is_jax():
-            values = ops.cond(monitored, run, lambda: last)
-        else:
-            values = run() if bool(monitored) else ops.convert_to_tensor(last)
+        values = native.branch(monitored, run, lambda: ops.convert_to_tensor(last))
         return {k: values[i] for i, k in enumerate(LOGGED_STATISTICS)}
 
     def _classification(self, result: PerExampleResult, labels: Any,
@@ -394,7 +388,7 @@ class GradientMonitor(keras.callbacks.Callback):
 
     def _last(self) -> tuple[int, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
         """The last monitored step: ``(step, values, norms, cosines, active)`` (step -1: none)."""
-        if is_tensorflow():
+        if self._in_graph:
             return (int(self._last_step.numpy()), self._last_stats.numpy(),
                     self._last_norms.numpy(), self._last_cosines.numpy(),
                     self._last_active.numpy())
@@ -419,7 +413,7 @@ class GradientMonitor(keras.callbacks.Callback):
 
     def on_epoch_begin(self, epoch: int, logs: dict | None = None) -> None:
         self._epoch = epoch
-        if is_tensorflow():
+        if self._in_graph:
             self._position.assign(0)
         else:
             _wait_for_host_updates()
@@ -427,7 +421,7 @@ class GradientMonitor(keras.callbacks.Callback):
 
     def _last_monitored_step(self) -> int:
         """The step :meth:`_last` would return, read alone (one number, not the tables)."""
-        if is_tensorflow():
+        if self._in_graph:
             return int(self._last_step.numpy())
         _wait_for_host_updates()
         return self._host.last_step
@@ -512,7 +506,7 @@ def step_statistics(result: PerExampleResult, sample_weight: Any) -> tuple[dict,
     of the active examples, in the result's norm dtype.
     """
     given = ops.cast(active_examples(sample_weight, result.batch_size), result.norm_dtype)
-    if not is_jax():  # a tf.cond, or on PyTorch a Python branch: one pass unless needed
+    if not backend.native().ROUTES.cond_compiles_both_branches:  # one pass unless needed
         stats = statistics_from_result(result, given)
         keep = ops.logical_and(ops.isfinite(result.losses), ops.isfinite(stats["norms"]))
         weights = ops.where(keep, given, ops.zeros_like(given))
@@ -520,8 +514,9 @@ def step_statistics(result: PerExampleResult, sample_weight: Any) -> tuple[dict,
                          lambda: statistics_from_result(result.masked(keep), weights))
     else:
         # XLA compiles both branches of a cond: on JAX that made the step's compile time
-        # 1.6x (docs/benchmarks.md, "DP noise, dispatch and compilation"). Masking with an all-true mask changes no
-        # value, so JAX always computes the masked statistics (one more norm pass at run time).
+        # 1.6x (docs/benchmarks.md, "DP noise, dispatch and compilation"). Masking with an
+        # all-true mask changes no value, so JAX always computes the masked statistics (one
+        # more norm pass at run time).
         keep = ops.logical_and(ops.isfinite(result.losses), ops.isfinite(result.norms()))
         weights = ops.where(keep, given, ops.zeros_like(given))
         stats = statistics_from_result(result.masked(keep), weights)
@@ -602,10 +597,9 @@ class _HostState:
 
 
 def _wait_for_host_updates() -> None:
-    """On JAX, let every dispatched step's host callback finish before reading the host state."""
-    if is_jax():
-        import jax
-        jax.effects_barrier()
+    """Let every dispatched step's host callback finish before reading the host state (JAX's
+    ordered callbacks run asynchronously)."""
+    backend.native().wait_for_host_callbacks()
 
 
 def _tensorflow_installed() -> bool:

@@ -43,7 +43,7 @@ from keras import ops
 from pergrad import aggregate
 from pergrad._compat import compiled_loss, compiled_metrics, loss_tracker
 from pergrad.aggregate import noise
-from pergrad.backend import is_tensorflow
+from pergrad.backend import native
 from pergrad.backend.ops import add_n, vjp, zero_rows
 from pergrad.engine.masks import map_keeping_masks
 from pergrad.keras import logical_batches
@@ -346,11 +346,7 @@ def _under_tf_distribute(replicas: int) -> bool:
     Keras's reduction and loss tracking are its own (kept as they are: the compiled loss)."""
     if replicas != 1:
         return True
-    if not is_tensorflow():
-        return False
-    import tensorflow as tf
-
-    return tf.distribute.has_strategy()
+    return native().has_strategy()
 
 
 def _applied_mask(loss_fn) -> bool:

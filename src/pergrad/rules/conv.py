@@ -17,14 +17,13 @@ folded by the strides, or on TensorFlow one grouped filter gradient with the bat
 
 from __future__ import annotations
 
-import functools
 import itertools
 import math
 
 import keras
 from keras import ops
 
-from pergrad.backend import is_jax, is_tensorflow, is_torch
+from pergrad.backend import native
 from pergrad.backend.ops import (
     add_n,
     batch_size,
@@ -44,7 +43,6 @@ from pergrad.rules.cost import (
     prefers_ghost,
     shifted_ghost_wins,
     shifted_products_win,
-    torch_grouped_filter_gradients_win,
     xla_filter_gradient_wins,
 )
 from pergrad.rules.forms import Deferred, Factored, Materialized, positions
@@ -79,11 +77,11 @@ def pad_input(x, kernel_size, strides, dilation, padding: str) -> tuple:
 
 
 def native_padding(x, kernel_size, strides, dilation, padding: str) -> tuple:
-    """``(input, padding)`` for a TensorFlow kernel: ``x`` itself with ``"same"`` or ``"valid"``,
-    which TensorFlow's kernels pad exactly as :func:`pad_input` does (a separate ``Pad`` op
-    costs a pass over the input); elsewhere, and for ``"causal"``, the padded input and
-    ``"valid"``."""
-    if is_tensorflow() and padding in ("same", "valid"):
+    """``(input, padding)`` for a native kernel: ``x`` itself with ``"same"`` or ``"valid"``
+    where the backend's kernels pad exactly as :func:`pad_input` does (``Routes.conv_kernels_pad``,
+    TensorFlow: a separate ``Pad`` op costs a pass over the input); elsewhere, and for
+    ``"causal"``, the padded input and ``"valid"``."""
+    if native().ROUTES.conv_kernels_pad and padding in ("same", "valid"):
         return x, padding
     return pad_input(x, kernel_size, strides, dilation, padding)[0], "valid"
 
@@ -115,31 +113,29 @@ _IDENTITY_CONV_MAX_WIDTH = 128
 
 def patches_by_slices(width: int) -> bool:
     """Whether 1-D and 2-D patches ``width`` (``K C``) wide are gathered by strided slices
-    rather than a one-hot convolution: on JAX and PyTorch above ``_IDENTITY_CONV_MAX_WIDTH``
-    (:func:`extract_patches`; TensorFlow has its own ``extract_patches`` kernel there). XLA
-    does not turn the one-hot convolution into a gather on the CPU (docs/benchmarks.md, "Route
-    measurements": 14x slower than the slices on a 5x5 depthwise layer with 240 channels;
-    measured on the CPU only)."""
-    return not is_tensorflow() and width > _IDENTITY_CONV_MAX_WIDTH
+    rather than a one-hot convolution: above ``_IDENTITY_CONV_MAX_WIDTH`` where the backend's
+    routes say so (``Routes.wide_patches_by_slices``: JAX and PyTorch; TensorFlow has its own
+    ``extract_patches`` kernel there). XLA does not turn the one-hot convolution into a gather
+    on the CPU (docs/benchmarks.md, "Route measurements": 14x slower than the slices on a 5x5
+    depthwise layer with 240 channels; measured on the CPU only)."""
+    return native().ROUTES.wide_patches_by_slices and width > _IDENTITY_CONV_MAX_WIDTH
 
 
 def _image_patches(x, kernel_size, strides, dilation, padding: str = "valid"):
     """Patches of a 1D or 2D input (1D as height 1), padded by ``padding`` (``"valid"`` for an
-    already padded one; ``"same"`` only on TensorFlow, see :func:`native_padding`)."""
+    already padded one; ``"same"`` only where the kernels pad, see :func:`native_padding`)."""
     one_d = rank(x) == 3
     if one_d:
         x = x[:, None]
         kernel_size, strides, dilation = (1, *kernel_size), (1, *strides), (1, *dilation)
     channels = x.shape[-1]
     width = kernel_size[0] * kernel_size[1] * channels
-    if width > _IDENTITY_CONV_MAX_WIDTH and is_tensorflow():
-        # Many input channels on TensorFlow: its extract_patches kernel beats the one-hot
-        # convolution there (the one-hot one wins below this width, as for the 8x8x1 kernel of
-        # the benchmark CNN).
-        import tensorflow as tf
-        patches = tf.image.extract_patches(x, [1, *kernel_size, 1], [1, *strides, 1],
-                                           [1, *dilation, 1], padding.upper())
-    else:
+    # Many input channels: a native patch kernel (TensorFlow's extract_patches) beats the
+    # one-hot convolution there (the one-hot one wins below this width, as for the 8x8x1 kernel
+    # of the benchmark CNN).
+    patches = (native().image_patches(x, kernel_size, strides, dilation, padding)
+               if width > _IDENTITY_CONV_MAX_WIDTH else None)
+    if patches is None:
         one_hot = ops.reshape(ops.eye(width, dtype=x.dtype), [*kernel_size, channels, width])
         patches = ops.conv(x, one_hot, strides=list(strides), padding=padding,
                            data_format="channels_last", dilation_rate=list(dilation))
@@ -174,9 +170,10 @@ def conv_rule(layer, call: LayerCall, grad) -> list:
 def _kernel_form(layer, x, d) -> Factored:
     """The kernel's ``Factored`` form from the channels-last input ``x`` and output gradient
     ``d``, with the fastest native routes the layer's geometry allows."""
+    routes = native().ROUTES
     groups = layer.groups
     static = all(n is not None for n in x.shape[1:-1])
-    if is_tensorflow() and groups == 1 and static and folded_products_win(
+    if routes.folded_conv_products and groups == 1 and static and folded_products_win(
             layer.kernel_size, layer.strides, layer.dilation_rate, x.shape[-1]):
         return _folded_kernel_form(layer, x, d)
     c_in, c_out = x.shape[-1], layer.filters
@@ -193,17 +190,17 @@ def _kernel_form(layer, x, d) -> Factored:
         return ops.reshape(ops.transpose(a, [0, 1, 3, 2, 4]),
                            [batch, t, groups, k * (c_in // groups)])
 
-    # PyTorch runs each op as written: the patches are built only if a route reads them
+    # An eager backend runs each op as written: the patches are built only if a route reads them
     a = (Deferred(patch_rows, (batch, t, groups, k * (c_in // groups)), dtype_of(x))
-         if is_torch() else patch_rows())
+         if routes.eager else patch_rows())
     dd = ops.reshape(d, [batch, t, groups, c_out // groups])
     natural = (*layer.kernel_size, c_in // groups, groups, c_out // groups)
     summed = per_example = None
     shifted = groups == 1 and shifted_products_win(layer.kernel_size, layer.strides, c_in)
     # XLA's filter gradient loses to the GEMMs over shifted slices on CPU, except in 1-D
-    native_sum = groups == 1 and (is_tensorflow() or is_jax() and shifted and (
-        xla_filter_gradient_wins(len(layer.kernel_size),
-                                 _multiply_adds(batch, t, k * c_in * c_out))))
+    native_sum = groups == 1 and (routes.conv_filter_gradient_sums == "always" or (
+        routes.conv_filter_gradient_sums == "when_xla_wins" and shifted and xla_filter_gradient_wins(
+            len(layer.kernel_size), _multiply_adds(batch, t, k * c_in * c_out))))
     if native_sum:
         def summed(coefficients):
             return _filter_gradient(layer, x, d * ops.cast(coefficients, d.dtype)[
@@ -216,17 +213,12 @@ def _kernel_form(layer, x, d) -> Factored:
             _read_positions(layer, x), static_or_none(t), c_in, c_out, k):
         def ghost_norms():  # norms alone (and, on JAX with its filter gradient, before sums)
             return _shifted_ghost_norms(layer, x, d)
-    if (is_tensorflow() and groups == 1 and not prefers_ghost(static_or_none(t), k * c_in, c_out)
+    if (groups == 1 and not prefers_ghost(static_or_none(t), k * c_in, c_out)
             and grouped_filter_gradients_win(layer.kernel_size, layer.dilation_rate, c_in,
-                                             over_shifted=shifted)
+                                             over_shifted=shifted, limits=routes.grouped_conv)
             and grouped_filter_gradients_available(x.dtype)):
         def per_example():  # one grouped filter gradient, not patches or shifted products
             return _grouped_products(layer, x, d)
-    if (is_torch() and groups == 1 and not prefers_ghost(static_or_none(t), k * c_in, c_out)
-            and torch_grouped_filter_gradients_win(layer.kernel_size, layer.dilation_rate, c_in,
-                                                   over_shifted=shifted)):
-        def per_example():  # the same on PyTorch
-            return _torch_grouped_products(layer, x, d)
     if shifted and summed is None:  # the GEMM over shifted slices, not over patches
         def summed(coefficients):
             return _shifted_sum(layer, x, d * ops.cast(coefficients, d.dtype)[
@@ -237,7 +229,7 @@ def _kernel_form(layer, x, d) -> Factored:
 
     return Factored(layer.kernel, a, dd, natural, summed=summed, per_example=per_example,
                     remake=remake, ghost_norms=ghost_norms,
-                    ghost_before_sums=native_sum and is_jax())
+                    ghost_before_sums=native_sum and routes.ghost_norms_before_sums)
 
 
 def _multiply_adds(batch, positions_per_example, per_position: int) -> int | None:
@@ -337,7 +329,7 @@ def _shifted_products(layer, x, d):
     patches, and each chunk gathers its patches from the slices and multiplies once
     (:func:`_chunk_patch_products`). Each choice was timed: docs/benchmarks.md, "Route
     measurements"."""
-    if is_jax():
+    if native().ROUTES.chunks_examples:
         kernel = math.prod(layer.kernel_size)
         per_example = positions(d.shape[1:-1]) * kernel * x.shape[-1] * x.dtype.itemsize
         return map_in_chunks(lambda xc, dc: _chunk_patch_products(layer, xc, dc), (x, d),
@@ -392,7 +384,7 @@ def _shifted_ghost_norms(layer, x, d):
         gram_d = ops.einsum("bto,bso->bts", flat_d, flat_d)
         return ops.sum(gram_p * gram_d, axis=[1, 2])
 
-    if not is_jax():
+    if not native().ROUTES.chunks_examples:
         return norms(padded, d)
     per_example = (t_in * t_in + 2 * t_out * t_out) * x.dtype.itemsize
     return map_in_chunks(norms, (padded, d), examples_per_chunk(per_example))
@@ -437,84 +429,23 @@ def _shifted_sum(layer, x, d):
     return ops.stack(sums, axis=0)
 
 
-def fold_batch_into_channels(t):
-    """``(B, H, W, F) -> (1, H, W, B F)`` (TensorFlow): example ``i``'s channel ``f`` becomes
-    channel ``i F + f`` of one image, for native kernels that keep channel groups apart."""
-    import tensorflow as tf
-
-    shape = tf.shape(t)
-    return tf.reshape(tf.transpose(t, [1, 2, 0, 3]), [1, shape[1], shape[2], -1])
-
-
-@functools.cache
-def _grouped_filter_gradients_run(dtype: str) -> bool:
-    import tensorflow as tf
-
-    with tf.init_scope():  # eagerly, even while a graph is being traced
-        try:
-            tf.compat.v1.nn.conv2d_backprop_filter(
-                tf.zeros([1, 3, 3, 4], dtype), [2, 2, 2, 6], tf.zeros([1, 2, 2, 6], dtype),
-                [1, 1, 1, 1], "VALID")
-        except (tf.errors.InvalidArgumentError, tf.errors.UnimplementedError):
-            return False
-    return True
-
-
 def grouped_filter_gradients_available(dtype) -> bool:
-    """Whether TensorFlow runs a grouped ``Conv2DBackpropFilter`` (input channels a multiple of
-    the filter's) for ``dtype`` in the graph being built: its oneDNN kernel does (float32 and
-    bfloat16 on x86), its Eigen kernel (float64, float16, or ``TF_ENABLE_ONEDNN_OPTS=0``) refuses,
-    and XLA (``jit_compile=True``) compiles it into a loop that takes seconds. Asked once per
-    dtype by running the op on a tiny input."""
-    from pergrad._compat import tracing_for_xla
-
-    return not tracing_for_xla() and _grouped_filter_gradients_run(
-        keras.backend.standardize_dtype(dtype))
+    """Whether the backend's native grouped filter gradient runs for ``dtype`` in the
+    computation being built (:func:`pergrad.backend.native`: on TensorFlow oneDNN's kernel, not
+    Eigen's or XLA's; on PyTorch always; never on JAX)."""
+    return native().grouped_filter_gradients_available(dtype)
 
 
 def _grouped_products(layer, x, d):
     """``(B, 1, O, K C)``: every example's kernel gradient from one native grouped filter
-    gradient (TensorFlow), the batch folded into the channels.
-
-    Example ``i``'s channel ``c`` becomes channel ``i C + c`` of one image of ``B C`` channels
-    and its output ``o`` channel ``i O + o``; a convolution of that image with ``B`` groups
-    (``C`` inputs, ``O`` outputs each) is the batch's convolutions side by side, and its filter
-    gradient ``(*k, C, B O)`` holds ``dL_i/dW[K, c, o]`` at ``[K, c, i O + o]``. It does the
+    gradient, the batch folded into the channels
+    (:func:`pergrad.backend.protocol.Backend.grouped_filter_gradients`). It does the
     per-example products' ``B T K C O`` multiply-adds without writing the ``K``-times larger
-    patches (:func:`pergrad.rules.cost.grouped_filter_gradients_win`). 1-D convolutions run as
-    images of height 1."""
-    import tensorflow as tf
-
+    patches (:func:`pergrad.rules.cost.grouped_filter_gradients_win`)."""
     source, padding = native_padding(x, layer.kernel_size, layer.strides, layer.dilation_rate,
                                      layer.padding)
-    kernel_size, strides = tuple(layer.kernel_size), tuple(layer.strides)
-    if len(kernel_size) == 1:
-        source, d = source[:, None], d[:, None]
-        kernel_size, strides = (1, *kernel_size), (1, *strides)
-    batch, c_in, c_out = tf.shape(x)[0], x.shape[-1], d.shape[-1]
-    g = tf.compat.v1.nn.conv2d_backprop_filter(
-        fold_batch_into_channels(source), tf.stack([*kernel_size, c_in, batch * c_out]),
-        fold_batch_into_channels(d), [1, *strides, 1], padding.upper())
-    g = tf.reshape(g, [-1, batch, c_out])  # (K C, B, O), K in kernel order
-    return tf.transpose(g, [1, 2, 0])[:, None]
-
-
-def _torch_grouped_products(layer, x, d):
-    """``(B, 1, O, K C)`` on PyTorch: :func:`_grouped_products` with
-    ``torch.nn.grad.conv2d_weight(..., groups=B)`` (channels first: example ``i``'s channel
-    ``c`` is channel ``i C + c``, its filters ``i O`` to ``i O + O - 1``), the gradient
-    ``(B O, C, *k)`` reordered to the patches' ``(K, c)``."""
-    import torch
-
-    source, _ = native_padding(x, layer.kernel_size, layer.strides, layer.dilation_rate,
-                               layer.padding)  # padded here: "valid"
-    kernel_size, strides = tuple(layer.kernel_size), tuple(layer.strides)  # 2-D (cost rule)
-    batch, c_in, c_out = source.shape[0], source.shape[-1], d.shape[-1]
-    folded_x = source.permute(0, 3, 1, 2).reshape(1, batch * c_in, *source.shape[1:3])
-    folded_d = d.permute(0, 3, 1, 2).reshape(1, batch * c_out, *d.shape[1:3])
-    g = torch.nn.grad.conv2d_weight(folded_x, (batch * c_out, c_in, *kernel_size), folded_d,
-                                    stride=strides, groups=batch)
-    return g.reshape(batch, c_out, c_in, -1).permute(0, 1, 3, 2).reshape(batch, 1, c_out, -1)
+    return native().grouped_filter_gradients(source, d, tuple(layer.kernel_size),
+                                             tuple(layer.strides), padding)
 
 
 def _filter_gradient(layer, x, d):

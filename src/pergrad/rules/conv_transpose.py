@@ -21,7 +21,7 @@ from __future__ import annotations
 import keras
 from keras import ops
 
-from pergrad.backend import is_tensorflow
+from pergrad.backend import native
 from pergrad.backend.ops import batch_size, rank, vjp, zero_rows
 from pergrad.rules import LayerCall, plain_weights, register
 from pergrad.rules.conv import channels_last_input_and_grad, extract_patches
@@ -62,7 +62,7 @@ def _kernel_form(layer, x, d) -> Factored:
         return _kernel_form(layer, zero_rows(x, keep), zero_rows(d, keep))
 
     # As for Conv: on JAX the GEMM over patches, not XLA's filter gradient.
-    return Factored(layer.kernel, a, xx, natural, summed=summed if is_tensorflow() else None,
+    return Factored(layer.kernel, a, xx, natural, summed=summed if native().ROUTES.transpose_filter_gradient_sums else None,
                     remake=remake)
 
 

@@ -25,26 +25,27 @@ from __future__ import annotations
 
 import math
 
+from pergrad.backend import routes
+
 GEMM_ADVANTAGE = 2.0
 
 #: An embedding table's norms (``Rows``) on JAX: up to this many positions per example, the
 #: pairwise form ``sum_{t,s} [ids_t = ids_s] (d_t . d_s)`` (``B T^2 (O + 1)`` work, ``B T^2``
 #: floats) beats sorting each example's ids; beyond it the sort wins.
-ROWS_PAIRWISE_MAX_POSITIONS = 128
+ROWS_PAIRWISE_MAX_POSITIONS = routes.JAX.embedding_pairwise_max_positions
 
 #: The same on TensorFlow, where the alternative is ``tf.unique`` over the (example, id) keys
 #: and two segment sums, which wins at the text CNN's 128 ids per example.
-ROWS_PAIRWISE_MAX_POSITIONS_TENSORFLOW = 64
+ROWS_PAIRWISE_MAX_POSITIONS_TENSORFLOW = routes.TENSORFLOW.embedding_pairwise_max_positions
 
 
-def rows_pairwise_wins(positions: int | None, tensorflow: bool) -> bool:
+def rows_pairwise_wins(positions: int | None, limit: int | None) -> bool:
     """Whether an embedding table's per-example norms take the pairwise form for ``positions``
-    ids per example: :data:`ROWS_PAIRWISE_MAX_POSITIONS` (JAX),
-    :data:`ROWS_PAIRWISE_MAX_POSITIONS_TENSORFLOW` (TensorFlow, against ``tf.unique``)."""
-    if positions is None:
-        return False
-    limit = ROWS_PAIRWISE_MAX_POSITIONS_TENSORFLOW if tensorflow else ROWS_PAIRWISE_MAX_POSITIONS
-    return positions <= limit
+    ids per example, up to a backend's measured ``limit``
+    (``Routes.embedding_pairwise_max_positions``: :data:`ROWS_PAIRWISE_MAX_POSITIONS` on JAX,
+    :data:`ROWS_PAIRWISE_MAX_POSITIONS_TENSORFLOW` on TensorFlow, against ``tf.unique``;
+    ``None``: never)."""
+    return positions is not None and limit is not None and positions <= limit
 
 
 #: A weighted sum ``sum_i c_i g_i`` (clipping) of a factored weight whose norms were computed
@@ -99,28 +100,12 @@ def folded_products_win(kernel_size, strides, dilation, channels: int) -> bool:
 #: its per-example kernel gradients with one grouped filter gradient instead (the batch folded
 #: into the channels, one group per example: oneDNN's kernel), when its patches are at least
 #: this wide (``K C``): below that width the patches won, and the folded products beat it
-#: where they apply.
-GROUPED_MIN_PATCH_WIDTH = 36
-
-#: It also replaces the shifted products (stride 1) under this many input channels. From 32
-#: input channels on, and with 1x1 kernels, the other routes tied or won, so it is never taken
-#: there.
-GROUPED_MAX_CHANNELS = 31
-
-
-def grouped_filter_gradients_win(kernel_size, dilation, channels: int,
-                                 over_shifted: bool = False) -> bool:
-    """Whether a convolution (groups of one, TensorFlow) takes one grouped filter gradient with
-    the batch as groups for its per-example products: 1-D or 2-D, no dilation (the CPU kernel
-    has none), a kernel larger than 1x1 over at most :data:`GROUPED_MAX_CHANNELS` input
-    channels, and (unless ``over_shifted``: where it would take the shifted products) patches
-    at least :data:`GROUPED_MIN_PATCH_WIDTH` wide."""
-    if len(kernel_size) > 2 or any(r != 1 for r in dilation):
-        return False
-    if math.prod(kernel_size) == 1 or channels > GROUPED_MAX_CHANNELS:
-        return False
-    return over_shifted or math.prod(kernel_size) * channels >= GROUPED_MIN_PATCH_WIDTH
-
+#: where they apply. It also replaces the shifted products (stride 1) under
+#: ``GROUPED_MAX_CHANNELS + 1`` input channels: from 32 input channels on, and with 1x1
+#: kernels, the other routes tied or won. (The limits live with TensorFlow's other route
+#: choices: :data:`pergrad.backend.routes.TENSORFLOW`.)
+GROUPED_MIN_PATCH_WIDTH = routes.TENSORFLOW.grouped_conv.min_patch_width
+GROUPED_MAX_CHANNELS = routes.TENSORFLOW.grouped_conv.max_channels
 
 #: On PyTorch the grouped filter gradient (``torch.nn.grad.conv2d_weight`` with ``groups=B``)
 #: replaces the shifted products and patches at least this wide (``K C``) over at most
@@ -129,23 +114,41 @@ def grouped_filter_gradients_win(kernel_size, dilation, channels: int,
 #: ``KERAS_BACKEND=torch python benchmarks/ab_conv_routes.py --route-off``). In 1-D it lost, so
 #: 1-D layers keep their routes. Patches wider than :data:`TORCH_GROUPED_MAX_PATCH_WIDTH` are
 #: gathered by strided slices (``pergrad.rules.conv.patches_by_slices``), which beat the
-#: grouped route there, so they keep their route.
-TORCH_GROUPED_MIN_PATCH_WIDTH = 64
-TORCH_GROUPED_MAX_PATCH_WIDTH = 128
-TORCH_GROUPED_MAX_CHANNELS = 32
+#: grouped route there, so they keep their route (:data:`pergrad.backend.routes.TORCH`).
+TORCH_GROUPED_MIN_PATCH_WIDTH = routes.TORCH.grouped_conv.min_patch_width
+TORCH_GROUPED_MAX_PATCH_WIDTH = routes.TORCH.grouped_conv.max_patch_width
+TORCH_GROUPED_MAX_CHANNELS = routes.TORCH.grouped_conv.max_channels
+
+
+def grouped_filter_gradients_win(kernel_size, dilation, channels: int,
+                                 over_shifted: bool = False,
+                                 limits: routes.GroupedConv | None = routes.TENSORFLOW.grouped_conv
+                                 ) -> bool:
+    """Whether a convolution (groups of one) takes one grouped filter gradient with the batch
+    as groups for its per-example products, within a backend's measured ``limits``
+    (TensorFlow's unless given; ``None``: never): a spatial rank in ``limits.spatial_ranks``,
+    no dilation (the CPU kernels have none), a kernel larger than 1x1, at most
+    ``limits.max_channels`` input channels and (unless ``over_shifted``: where it would take the
+    shifted products) patches ``K C`` from ``limits.min_patch_width`` to
+    ``limits.max_patch_width`` wide."""
+    if limits is None or len(kernel_size) not in limits.spatial_ranks:
+        return False
+    if any(r != 1 for r in dilation) or math.prod(kernel_size) == 1:
+        return False
+    if channels > limits.max_channels:
+        return False
+    width = math.prod(kernel_size) * channels
+    return over_shifted or (width >= limits.min_patch_width and (
+        limits.max_patch_width is None or width <= limits.max_patch_width))
 
 
 def torch_grouped_filter_gradients_win(kernel_size, dilation, channels: int,
                                        over_shifted: bool = False) -> bool:
-    """Whether a convolution (groups of one) takes one grouped filter gradient with the batch
-    as groups on PyTorch: 2-D, no dilation, a kernel larger than 1x1, at most
+    """:func:`grouped_filter_gradients_win` within PyTorch's limits: 2-D, at most
     :data:`TORCH_GROUPED_MAX_CHANNELS` input channels and (unless ``over_shifted``) patches
     :data:`TORCH_GROUPED_MIN_PATCH_WIDTH` to :data:`TORCH_GROUPED_MAX_PATCH_WIDTH` wide."""
-    if (len(kernel_size) != 2 or any(r != 1 for r in dilation) or math.prod(kernel_size) == 1
-            or channels > TORCH_GROUPED_MAX_CHANNELS):
-        return False
-    width = math.prod(kernel_size) * channels
-    return over_shifted or TORCH_GROUPED_MIN_PATCH_WIDTH <= width <= TORCH_GROUPED_MAX_PATCH_WIDTH
+    return grouped_filter_gradients_win(kernel_size, dilation, channels, over_shifted,
+                                        routes.TORCH.grouped_conv)
 
 
 def shifted_products_win(kernel_size, strides, channels: int) -> bool:

@@ -33,7 +33,7 @@ from typing import Any, Protocol, runtime_checkable
 
 from keras import ops
 
-from pergrad.backend import is_tensorflow, is_torch
+from pergrad.backend import native
 from pergrad.backend.ops import (
     add_n,
     batch_size,
@@ -542,10 +542,11 @@ class Rows:
         equal ids are neighbours; ``rank_it`` (how many distinct ids precede position ``t``)
         numbers the segments, and segment ``i T + rank_it`` collects id ``n``'s rows."""
         positions = static_or_none(self.ids.shape[1])
-        if not is_torch() and cost.rows_pairwise_wins(positions, tensorflow=is_tensorflow()):
+        routes = native().ROUTES
+        if cost.rows_pairwise_wins(positions, routes.embedding_pairwise_max_positions):
             return self._squared_norms_pairwise()
-        if is_tensorflow():
-            return self._squared_norms_by_unique()
+        if routes.embedding_norms == "unique":
+            return native().unique_row_squared_norms(self.ids, self._flat_d(), self.num_rows)
         batch, t = batch_size(self.ids), ops.shape(self.ids)[1]
         order = ops.argsort(self.ids, axis=1)
         ids = ops.take_along_axis(self.ids, order, axis=1)
@@ -568,18 +569,6 @@ class Rows:
         same = ops.cast(ops.equal(self.ids[:, :, None], self.ids[:, None, :]), dtype_of(self.d))
         shared = ops.einsum("bts,bso->bto", same, self.d)
         return ops.sum(shared * self.d, axis=[1, 2])
-
-    def _squared_norms_by_unique(self) -> Tensor:
-        """TensorFlow's fast path: one ``tf.unique`` over the (example, row) keys and two
-        segment sums, faster than the sort above (docs/benchmarks.md, "Route measurements")."""
-        import tensorflow as tf
-        batch = tf.shape(self.ids, out_type=tf.int64)[0]
-        example = tf.range(batch, dtype=tf.int64)[:, None]
-        keys = tf.reshape(example * self.num_rows + tf.cast(self.ids, tf.int64), [-1])
-        unique_keys, position = tf.unique(keys)
-        rows = tf.math.unsorted_segment_sum(self._flat_d(), position, tf.size(unique_keys))
-        row_sq = tf.reduce_sum(tf.square(rows), axis=1)
-        return tf.math.unsorted_segment_sum(row_sq, unique_keys // self.num_rows, batch)
 
     def dots(self, vector: Tensor) -> Tensor:
         looked_up = ops.take(ops.cast(vector, dtype_of(self.d)), self.ids, axis=0)

@@ -40,7 +40,7 @@ from typing import Any, NamedTuple
 import keras
 from keras import ops
 
-from pergrad.backend import is_jax, is_tensorflow
+from pergrad.backend import native
 from pergrad.backend.ops import batch_size
 from pergrad.rules import LayerCall, register
 from pergrad.rules.forms import Factored, Materialized
@@ -175,7 +175,7 @@ def _recur(step: Step, extras: int, inputs: Tensor, mask: Tensor | None, states:
             keep = elems[1][:, None]
             if zero_output_for_mask:
                 held = ops.zeros_like(output)
-            elif is_jax():  # Keras's JAX loop holds h_{t-1} (h_0 before the first kept step)
+            elif native().RNN_MASK_HOLDS_STATE:  # Keras's JAX loop holds h_{t-1} (h_0 first)
                 held = previous_states[0]
             else:  # TensorFlow's and PyTorch's hold the previous output (zeros before it)
                 held = previous_output
@@ -186,46 +186,7 @@ def _recur(step: Step, extras: int, inputs: Tensor, mask: Tensor | None, states:
 
     elems = (inputs,) if mask is None else (inputs, mask)
     zero = ops.zeros_like(states[0])
-    if is_tensorflow():
-        return _recur_on_tensorflow(body, extras, elems, zero, tuple(states), sequences)
-    (last, final_states), (outputs, previous, extra_steps) = ops.scan(
-        body, (zero, tuple(states)), elems)
-    return outputs if sequences else None, last, tuple(final_states), previous, extra_steps
-
-
-def _recur_on_tensorflow(body, extras: int, elems: tuple, zero: Tensor, states: tuple,
-                         sequences: bool) -> tuple:
-    """:func:`_recur`'s loop as a ``tf.while_loop`` that stacks only what is read afterwards:
-    ``h_{t-1}``, the extras and (with ``sequences``) the outputs; the states and the last
-    output stay loop variables. (Keras 3.15's TensorFlow ``ops.scan`` mishandles nested
-    carries, and ``tf.scan`` stacks every carry: the outputs and each state, twice more for
-    a GRU, whose state is its output.)"""
-    import tensorflow as tf
-
-    steps = elems[0].shape[0] if elems[0].shape[0] is not None else tf.shape(elems[0])[0]
-    read = [tf.TensorArray(e.dtype, size=steps).unstack(e) for e in elems]
-
-    def stack_of(like):
-        return tf.TensorArray(like.dtype, size=steps, element_shape=like.shape)
-
-    written = (stack_of(zero) if sequences else (), stack_of(zero),
-               tuple(stack_of(zero) for _ in range(extras)))
-
-    def loop(t, last, carried, outputs, previous, extra_steps):
-        (output, new_states), (_, previous_h, step_extras) = body(
-            (last, carried), tuple(r.read(t) for r in read))
-        if sequences:
-            outputs = outputs.write(t, output)
-        return (t + 1, output, new_states, outputs, previous.write(t, previous_h),
-                tuple(a.write(t, e) for a, e in zip(extra_steps, step_extras, strict=True)))
-
-    # maximum_iterations: XLA (jit_compile=True) needs the stacks' size, and so does their
-    # gradient's accumulator.
-    _, last, final_states, outputs, previous, extra_steps = tf.while_loop(
-        lambda t, *_: t < steps, loop, (tf.constant(0), zero, states, *written),
-        maximum_iterations=steps)
-    return (outputs.stack() if sequences else None, last, final_states, previous.stack(),
-            tuple(a.stack() for a in extra_steps))
+    return native().recurrence(body, extras, elems, zero, tuple(states), sequences)
 
 
 def _batch_major(t: Tensor, backwards: bool) -> Tensor:
@@ -327,7 +288,7 @@ def _exact(layer) -> bool:
             and cell.kernel.trainable
             # Keras's JAX loop returns go_backwards sequences in the input's order (and the
             # last output of that order): another function, left to the generic rule.
-            and not (is_jax() and layer.go_backwards))
+            and not (native().RNN_BACKWARDS_IN_INPUT_ORDER and layer.go_backwards))
 
 
 register(*_CELLS, applies=_exact, forward=recurrent_forward)(recurrent_rule)

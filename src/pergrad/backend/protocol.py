@@ -1,0 +1,162 @@
+"""What every backend package exports: the :class:`Backend` protocol.
+
+``pergrad.backend.tensorflow``, ``pergrad.backend.jax`` and ``pergrad.backend.torch`` are packages
+with these names, as Keras's own ``keras/src/backend/{tensorflow,jax,torch}`` are; the running
+one is chosen once (:func:`pergrad.backend.native`). Everything above ``backend/`` asks that
+module instead of testing which backend runs. ``tests/test_backend_protocol.py`` checks that each
+package exports every name below with the same parameters.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable
+from typing import Any, Protocol
+
+from pergrad.backend.routes import Routes
+
+
+class Backend(Protocol):
+    """The primitives one Keras backend gives the rest of pergrad."""
+
+    #: The Keras backend's name: ``"tensorflow"``, ``"jax"`` or ``"torch"``.
+    NAME: str
+    #: Keras's recurrent loop holds ``h_{t-1}`` at a masked step (else the previous output).
+    RNN_MASK_HOLDS_STATE: bool
+    #: Keras's loop returns ``go_backwards`` sequences in the input's order.
+    RNN_BACKWARDS_IN_INPUT_ORDER: bool
+    #: The backend's route choices (:class:`pergrad.backend.routes.Routes`).
+    ROUTES: Routes
+
+    # --- arrays -----------------------------------------------------------------------------
+    def matmul_ta(self, a: Any, b: Any) -> Any:
+        """``a^T b`` over the last two axes, batched over the leading ones."""
+
+    def outer_products(self, a: Any, d: Any) -> Any:
+        """``m[b, i, g, o] = a[b, i, g] d[b, g, o]``."""
+
+    def segment_sum(self, values: Any, segments: Any, num_segments: Any) -> Any:
+        """``out[n] = sum_{k: segments[k] = n} values[k]``."""
+
+    def row_squared_norms(self, t: Any) -> Any:
+        """``(B,)``: ``||t[i]||^2`` over every axis but the first."""
+
+    def vjp(self, fn: Callable[[Any], Any], primal: Any, cotangent: Any) -> Any:
+        """``d/dp <fn(p), cotangent>`` at ``p = primal``."""
+
+    def map_in_chunks(self, fn: Callable[..., Any], arrays: tuple, chunk: int) -> Any:
+        """``fn(*arrays)``, possibly over consecutive chunks of ``chunk`` rows."""
+
+    def unique_row_squared_norms(self, ids: Any, flat_d: Any, num_rows: int) -> Any:
+        """``(B,)``: an embedding table's per-example squared norms by a native ``unique`` over
+        the (example, row) keys (where ``ROUTES.embedding_norms`` is ``"unique"``)."""
+
+    def image_patches(self, x: Any, kernel_size: Any, strides: Any, dilation: Any,
+                      padding: str) -> Any:
+        """``(B, out_h, out_w, K C)`` patches of a channels-last 2-D input by a native kernel,
+        or ``None`` where the backend has none worth taking."""
+
+    def recurrence(self, body: Callable, extras: int, elems: tuple, zero: Any, states: tuple,
+                   sequences: bool) -> tuple:
+        """A recurrent rule's loop over time-major ``elems``: ``(outputs or None, last output,
+        final states, h_{t-1} stacked, extras stacked)``."""
+
+    # --- native convolution kernels (taken where ``ROUTES`` says so) ---------------------------
+    def grouped_filter_gradients_available(self, dtype: Any) -> bool:
+        """Whether :meth:`grouped_filter_gradients` runs here for ``dtype`` now."""
+
+    def grouped_filter_gradients(self, source: Any, d: Any, kernel_size: tuple, strides: tuple,
+                                 padding: str) -> Any:
+        """``(B, 1, O, K C)``: a convolution's per-example kernel gradients from one native
+        filter gradient with the batch as groups (``source``: the input as the kernel pads it
+        by ``padding``)."""
+
+    def depthwise_filter_gradients(self, source: Any, d: Any, kernel_size: tuple,
+                                   strides: tuple, dilation: tuple, padding: str,
+                                   multiplier: int) -> Any:
+        """``(B, C, M, K)``: a depthwise convolution's per-example kernel gradients from one
+        native depthwise filter gradient, the batch folded into the channels."""
+
+    def depthwise_products_by_forward_conv(self, padded: Any, d: Any, sizes: list,
+                                           kernel_size: tuple, strides: tuple, dilation: tuple,
+                                           multiplier: int) -> Any:
+        """``(B, C, M, K)``: the same as one forward depthwise convolution of the padded input
+        with the output gradient as its filter."""
+
+    # --- values and tracing -----------------------------------------------------------------
+    def trace_token(self) -> Any:
+        """What a cached intermediate belongs to, or ``None`` where no cache is needed."""
+
+    def snapshot(self, t: Any) -> Any:
+        """``t``'s value now, unchanged by later in-place writes."""
+
+    def static_value(self, t: Any) -> Any:
+        """``t``'s value where it is known now (not a symbolic tensor), else ``None``."""
+
+    def assert_positive(self, t: Any, message: str) -> Any:
+        """``t``, checked to be positive when the computation runs, where the value is not
+        known while it is built; ``t`` unchanged where it always is."""
+
+    def wide_float(self) -> str:
+        """The widest float dtype the backend computes in now."""
+
+    def full_float32(self) -> contextlib.AbstractContextManager:
+        """A block in which float32 products round as float32 (no TensorFloat-32)."""
+
+    def wide_scalar(self, value: float) -> Any:
+        """``value`` as a scalar of :meth:`wide_float`, passed the cheapest way into a compiled
+        function."""
+
+    def is_tracing(self, x: Any) -> bool:
+        """Whether a compiled function is being traced now (``x``: an input of it)."""
+
+    def has_strategy(self) -> bool:
+        """Whether a ``tf.distribute`` strategy scope is active."""
+
+    def process_count(self) -> int:
+        """The processes of one multi-process program that pergrad coordinates (JAX)."""
+
+    def tensor_float_32(self) -> bool:
+        """Whether float32 matmuls run as TensorFloat-32 by default here."""
+
+    def layer_rounding(self, layer: Any, dtype: str) -> str:
+        """The dtype whose rounding ``layer``'s output has when it computes in ``dtype``."""
+
+    def replicas(self) -> Any:
+        """The replicas a step's values are combined across (``.sum(values)``,
+        ``.gather(t)``), or ``None`` where there are none to combine with (one replica, or
+        values already global)."""
+
+    # --- host state ------------------------------------------------------------------------------
+    def host_call(self, fn: Callable[..., Any], results: list | None, *args: Any) -> Any:
+        """``fn(*args)`` on the host with NumPy arguments, in program order, from inside or
+        outside a compiled function; ``results``: its outputs' ``[(shape, dtype), ...]``
+        (``None``: it returns nothing)."""
+
+    def branch(self, predicate: Any, true_fn: Callable[[], Any],
+               false_fn: Callable[[], Any]) -> Any:
+        """``true_fn()`` where the scalar ``predicate`` holds, else ``false_fn()``."""
+
+    def wait_for_host_callbacks(self) -> None:
+        """Return once every dispatched :meth:`host_call` has run."""
+
+    # --- noise keys and draws -----------------------------------------------------------------
+    def check_noise_keys(self) -> None:
+        """A ``ValueError`` saying what to do where noise keys cannot be held now (JAX without
+        64-bit integers)."""
+
+    def new_key_state(self, seed: int) -> Any:
+        """The state ``[seed, 0]`` of a stream of noise keys held outside a model."""
+
+    def take_key(self, state: Any) -> Any:
+        """The key ``[seed, counter]`` in a :meth:`new_key_state` state; its counter
+        advances by one."""
+
+    def next_key(self, state: Any, step: Any) -> Any:
+        """The key held by the int64 variable ``state``; its counter advances by ``step``."""
+
+    def gaussian_noise(self, key: Any, values: list, stddev: float) -> list:
+        """``N(0, stddev^2 I)`` shaped like each of ``values``, stateless in ``key``."""
+
+
+__all__ = ["Backend"]
