@@ -41,10 +41,52 @@ HAVE_TENSORFLOW = importlib.util.find_spec("tensorflow") is not None
 
 def pytest_configure(config):
     config.addinivalue_line(
-        "markers", "all_backends: runs on every Keras backend (KERAS_BACKEND=jax runs only these)")
+        "markers", "tensorflow_only(reason): runs on TensorFlow only, deselected on JAX and "
+                   "PyTorch; reason (required, non-empty) says what TensorFlow-only thing it "
+                   "exercises, or starts 'not yet run on JAX/PyTorch:' and says what it would "
+                   "need")
     config.addinivalue_line(
-        "markers", "needs_tensorflow: an all_backends test that uses TensorFlow itself (tf.data, "
-                   "TensorBoard's event files): skipped where TensorFlow is not installed")
+        "markers", "only_on(*backends, reason): runs on the named Keras backends only, "
+                   "deselected on the others; reason (required) says why the others cannot "
+                   "run it")
+    config.addinivalue_line(
+        "markers", "needs_tensorflow: a test run on every backend that uses TensorFlow itself "
+                   "(tf.data, TensorBoard's event files): skipped where TensorFlow is not "
+                   "installed")
+
+
+_BAD_MARKER = pytest.StashKey[str]()
+
+
+def _checked_reason(item, marker) -> None:
+    """A usage error unless ``marker`` has a non-empty ``reason`` keyword."""
+    reason = marker.kwargs.get("reason")
+    if not isinstance(reason, str) or not reason.strip():
+        raise pytest.UsageError(
+            f"{item.nodeid}: @pytest.mark.{marker.name} needs reason=\"...\" (a non-empty "
+            f"string, as a keyword) saying why the test cannot run on the other backends; got "
+            f"args={marker.args!r}, kwargs={marker.kwargs!r}")
+
+
+def _runs_on(item, backend: str) -> bool:
+    """Whether ``item`` runs on ``backend``: not where its ``tensorflow_only`` or ``only_on``
+    markers (its own, its class's or its module's; a test's own marker may give a more
+    specific reason than its module's) exclude it. A marker without a non-empty ``reason``
+    keyword is a usage error, on every backend."""
+    runs = True
+    for marker in item.iter_markers("tensorflow_only"):
+        _checked_reason(item, marker)
+        if marker.args:
+            raise pytest.UsageError(f"{item.nodeid}: tensorflow_only takes reason= only")
+        runs = runs and backend == "tensorflow"
+    for marker in item.iter_markers("only_on"):
+        _checked_reason(item, marker)
+        unknown = set(marker.args) - {"tensorflow", "jax", "torch"}
+        if not marker.args or unknown:
+            raise pytest.UsageError(f"{item.nodeid}: only_on names Keras backends "
+                                    f"(tensorflow, jax, torch), got {marker.args!r}")
+        runs = runs and backend in marker.args
+    return runs
 
 
 # Where PyTorch support is tested (the engine, pergrad.jacobian): here a NotImplementedError is
@@ -56,28 +98,42 @@ _NOT_PORTED_TO_TORCH = ("pergrad.keras.fit_distributed",)
 
 
 def pytest_collection_modifyitems(config, items):
-    """On a backend other than TensorFlow only the tests marked ``all_backends`` run; the rest
-    test TensorFlow-only parts (tf.distribute, TF-specific fast paths and graphs, the
-    subprocess tests, which launch their JAX children from the TensorFlow run) and are
-    deselected."""
+    """Every test runs on every Keras backend, except those marked ``tensorflow_only(reason=...)``
+    (tf.distribute, tf.function graphs and retracing, TF-specific fast paths, and the tests not
+    yet run elsewhere), deselected on JAX and PyTorch, and those marked
+    ``only_on(*backends, reason=...)``, deselected on the backends not named."""
     if not HAVE_TENSORFLOW:
         skip = pytest.mark.skip(reason="needs tensorflow (pip install pergrad[tensorflow])")
         for item in items:
             if item.get_closest_marker("needs_tensorflow"):
                 item.add_marker(skip)
     backend = keras.backend.backend()
-    if backend == "tensorflow":
-        return
-    selected = [item for item in items if item.get_closest_marker("all_backends")]
-    deselected = [item for item in items if not item.get_closest_marker("all_backends")]
+    runs = []
+    for item in items:  # every marker's reason is checked, on every backend
+        try:
+            runs.append(_runs_on(item, backend))
+        except pytest.UsageError as error:
+            if not hasattr(config, "workerinput"):
+                raise
+            # A pytest-xdist worker's UsageError ends the run as an INTERNALERROR without its
+            # message: there the test is kept (on every backend) and fails with it instead.
+            item.stash[_BAD_MARKER] = str(error)
+            runs.append(True)
+    selected = [item for item, run in zip(items, runs, strict=True) if run]
+    deselected = [item for item, run in zip(items, runs, strict=True) if not run]
     if deselected:
         config.hook.pytest_deselected(items=deselected)
         items[:] = selected
 
 
+def pytest_runtest_setup(item):
+    if _BAD_MARKER in item.stash:
+        pytest.fail(item.stash[_BAD_MARKER], pytrace=False)
+
+
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_makereport(item, call):
-    """On PyTorch, a marked test outside the ported modules that stops at a documented gap (a
+    """On PyTorch, a test outside the ported modules that stops at a documented gap (a
     ``NotImplementedError`` naming the backend, as ``fit_distributed`` raises) is reported as
     skipped with that error as its reason; every other error fails."""
     outcome = yield

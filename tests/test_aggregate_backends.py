@@ -13,8 +13,6 @@ from oracle import assert_close, keras_loss, loop_gradients
 import pergrad
 from pergrad import aggregate
 
-pytestmark = pytest.mark.all_backends
-
 
 def _flat(grads: list) -> np.ndarray:
     return np.concatenate([np.reshape(g, (len(g), -1)) for g in grads], axis=1)

@@ -15,9 +15,6 @@ import io
 import json
 
 import numpy as np
-import pytest
-
-pytestmark = pytest.mark.all_backends
 
 FLIPPED_ROWS = (3, 17, 40, 58, 77, 91, 104, 122, 133, 146)
 

@@ -15,8 +15,6 @@ from pergrad import backend
 from pergrad.backend import routes
 from pergrad.backend.protocol import Backend
 
-pytestmark = pytest.mark.all_backends
-
 #: The framework each backend package imports.
 FRAMEWORKS = {"tensorflow": "tensorflow", "jax": "jax", "torch": "torch"}
 

@@ -12,8 +12,6 @@ from oracle import assert_close, keras_loss, loop_gradients
 import pergrad
 from pergrad import backend
 
-pytestmark = pytest.mark.all_backends
-
 
 def _flat_norms(grads) -> np.ndarray:
     return np.linalg.norm(np.concatenate([g.reshape(len(g), -1) for g in grads], axis=1), axis=1)

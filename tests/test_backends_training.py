@@ -13,7 +13,6 @@ import pergrad
 from pergrad import aggregate
 from pergrad.keras import PerExampleModel
 
-pytestmark = pytest.mark.all_backends
 MSE = keras.losses.MeanSquaredError()
 
 

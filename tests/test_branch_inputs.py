@@ -15,12 +15,12 @@ import numpy as np
 import pytest
 
 import pergrad
-from pergrad import backend
 
-# Every test here is TensorFlow's (none is marked all_backends).
 tf = pytest.importorskip("tensorflow", reason="needs tensorflow (pip install pergrad[tensorflow])")
 
-pytestmark = pytest.mark.skipif(not backend.is_tensorflow(), reason="inspects a TensorFlow graph")
+pytestmark = pytest.mark.tensorflow_only(reason=(
+    "inspects the compiled TensorFlow graph of a tf.function(autograph=False) step: which ops "
+    "land in its tf.cond branch functions and which at its top level"))
 
 L = keras.layers
 LOSS = keras.losses.SparseCategoricalCrossentropy(from_logits=True)

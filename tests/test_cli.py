@@ -1,7 +1,8 @@
 """The command line end to end, in subprocesses, with tiny settings.
 
-The in-process ``pergrad analyze`` tests are marked ``all_backends`` (they run on JAX in the JAX
-run); the subprocess tests run once, in the TensorFlow run, one of them on JAX."""
+The in-process ``pergrad analyze`` tests run on every backend; the subprocess tests are marked
+``tensorflow_only`` and run once, in the TensorFlow run, some of their children on JAX or
+PyTorch."""
 
 from __future__ import annotations
 
@@ -17,7 +18,6 @@ import pytest
 
 from pergrad.demo import detection_scores, flip_labels
 
-BOTH = pytest.mark.all_backends
 
 def pergrad(*args: str, cwd=None, timeout: int = 300) -> subprocess.CompletedProcess:
     env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", MPLBACKEND="Agg")
@@ -25,6 +25,10 @@ def pergrad(*args: str, cwd=None, timeout: int = 300) -> subprocess.CompletedPro
                           text=True, cwd=cwd, env=env, timeout=timeout)
 
 
+@pytest.mark.tensorflow_only(reason=(
+    "subprocess test: `python -m pergrad analyze` in a child that inherits this run's "
+    "KERAS_BACKEND; the CLI's children are launched once, from the TensorFlow run (the JAX child "
+    "is test_analyze_on_the_jax_backend)"))
 def test_analyze_writes_the_report_and_finds_flipped_labels(tmp_path):
     out = tmp_path / "report"
     done = pergrad("analyze", "--epochs", "3", "--label-noise", "0.2", "--out", str(out),
@@ -57,6 +61,9 @@ def test_analyze_writes_the_report_and_finds_flipped_labels(tmp_path):
     assert "epoch" in done.stdout and "ROC AUC" in done.stdout
 
 
+@pytest.mark.tensorflow_only(reason=(
+    "subprocess test: launches its KERAS_BACKEND=jax `pergrad analyze` child once, from the "
+    "TensorFlow run"))
 def test_analyze_on_the_jax_backend(tmp_path):
     """``KERAS_BACKEND=jax pergrad analyze``: the monitor, the label-error scores and TracIn on
     JAX (its own process, whatever backend this one runs: once, in the TensorFlow run)."""
@@ -85,6 +92,10 @@ def test_analyze_on_the_jax_backend(tmp_path):
     assert "ROC AUC" in done.stdout
 
 
+@pytest.mark.tensorflow_only(reason=(
+    "subprocess test: `python -m pergrad analyze --aggregator dp` in a child that inherits this "
+    "run's KERAS_BACKEND; the CLI's children are launched once, from the TensorFlow run (no "
+    "JAX/PyTorch DP analyze child yet)"))
 def test_analyze_dp_reports_epsilon(tmp_path):
     done = pergrad("analyze", "--epochs", "1", "--aggregator", "dp", "--batch-size", "128",
                    "--folds", "0", "--out", str(tmp_path))
@@ -103,6 +114,9 @@ def test_analyze_dp_reports_epsilon(tmp_path):
       "--delta", "1e-5"], "noise-multiplier"),
     (["nonsense"], "invalid choice"),
 ])
+@pytest.mark.tensorflow_only(reason=(
+    "subprocess test: `python -m pergrad <bad arguments>` in a child that inherits this run's "
+    "KERAS_BACKEND; the CLI's children are launched once, from the TensorFlow run"))
 def test_bad_arguments_are_one_line_and_exit_2(args, message):
     done = pergrad(*args)
     assert done.returncode == 2
@@ -110,6 +124,9 @@ def test_bad_arguments_are_one_line_and_exit_2(args, message):
     assert len(lines) == 1 and message in lines[0], done.stderr
 
 
+@pytest.mark.tensorflow_only(reason=(
+    "subprocess test: `python -m pergrad privacy / analyze --help` in a child that inherits this "
+    "run's KERAS_BACKEND; the CLI's children are launched once, from the TensorFlow run"))
 def test_privacy_and_help():
     done = pergrad("privacy", "--num-examples", "60000", "--batch-size", "150",
                    "--noise-multiplier", "1.3", "--epochs", "15", "--delta", "1e-5")
@@ -119,6 +136,10 @@ def test_privacy_and_help():
         assert option in helped.stdout
 
 
+@pytest.mark.tensorflow_only(reason=(
+    "subprocess test: `python -m pergrad bench --quick` in a child that inherits this run's "
+    "KERAS_BACKEND; the CLI's children are launched once, from the TensorFlow run (on TensorFlow "
+    "the engine suite; JAX's is test_bench_on_the_jax_backend)"))
 def test_bench_quick_runs_and_writes_json(tmp_path):
     path = tmp_path / "bench.json"
     done = pergrad("bench", "--quick", "--models", "mlp", "--batch-sizes", "16",
@@ -130,6 +151,9 @@ def test_bench_quick_runs_and_writes_json(tmp_path):
     assert "| mlp | 16 |" in done.stdout
 
 
+@pytest.mark.tensorflow_only(reason=(
+    "subprocess test: launches its `pergrad bench --backend jax` children once, from the "
+    "TensorFlow run"))
 def test_bench_on_the_jax_backend(tmp_path):
     """``pergrad bench --backend jax``: the JAX engine suite, DP step included, from the CLI
     (its own process, whatever backend this one runs: once, in the TensorFlow run)."""
@@ -152,6 +176,9 @@ def test_bench_on_the_jax_backend(tmp_path):
 
 
 @pytest.mark.parametrize("backend", ["tensorflow", "jax", "torch"])
+@pytest.mark.tensorflow_only(reason=(
+    "subprocess test: launches its KERAS_BACKEND=tensorflow, jax and torch `pergrad bench "
+    "--suites real-models` children once, from the TensorFlow run"))
 def test_bench_real_models_on_every_backend(backend, tmp_path):
     """``pergrad bench --suites real-models``: a KerasHub BERT with LoRA, its norms, clipped sum
     and DP step against its batch gradient and plain Keras step, on each backend (a process of
@@ -173,6 +200,9 @@ def test_bench_real_models_on_every_backend(backend, tmp_path):
     assert refused.returncode == 2 and "unknown models ['cnn']" in refused.stderr
 
 
+@pytest.mark.tensorflow_only(reason=(
+    "subprocess test: the TensorFlow benchmark suites (training, monitor, jacobian: their report "
+    "names the tf.function tape) in a child launched once, from the TensorFlow run"))
 def test_bench_runs_every_suite(tmp_path):
     """The quick training, monitor and jacobian suites; on the CNN only, unless
     PERGRAD_FULL_TESTS=1 asks for every default model (the transformer's traces double the
@@ -190,7 +220,6 @@ def test_bench_runs_every_suite(tmp_path):
     assert "x plain Keras" in done.stdout and "tf.function tape" in done.stdout
 
 
-@BOTH
 def test_flip_labels_and_detection_scores():
     labels = np.arange(100) % 10
     noisy, flipped = flip_labels(labels, 0.25, seed=3)
@@ -223,7 +252,6 @@ def _tiny_classifier(path, inputs, classes: int, compiled: bool = True) -> None:
     model.save(path)
 
 
-@BOTH
 def test_analyze_your_own_model_and_arrays(tmp_path):
     rng = np.random.default_rng(0)
     x = rng.normal(size=(60, 4)).astype("float32")
@@ -242,7 +270,6 @@ def test_analyze_your_own_model_and_arrays(tmp_path):
     assert len(summary["influence"]) == 4
 
 
-@BOTH
 def test_analyze_a_folder_of_images_reports_paths(tmp_path):
     import keras
 
@@ -267,7 +294,6 @@ def test_analyze_a_folder_of_images_reports_paths(tmp_path):
     assert header.startswith("rank,row,path,split,given,suggested,flagged_by,seen")
 
 
-@BOTH
 def test_analyze_refuses_bad_data_in_one_line(tmp_path):
     from pergrad.cli import main
 
@@ -292,7 +318,6 @@ def test_analyze_refuses_bad_data_in_one_line(tmp_path):
         assert code == 2 and message in err.getvalue(), (args, err.getvalue())
 
 
-@BOTH
 def test_analyze_a_csv_table_with_named_classes(tmp_path):
     rng = np.random.default_rng(2)
     features = rng.normal(size=(40, 3))
@@ -331,7 +356,6 @@ for argv in json.loads(sys.argv[1]):
 """
 
 
-@BOTH
 def test_analyze_file_errors_answer_before_any_framework_is_imported(tmp_path):
     """A missing or unreadable --model or --data, a .npz without x and y, a CSV without the
     named columns: one line, exit code 2, and neither TensorFlow, Keras, JAX nor PyTorch was
@@ -378,6 +402,9 @@ def test_analyze_file_errors_answer_before_any_framework_is_imported(tmp_path):
     assert not (tmp_path / "out").exists()  # refused before anything was written
 
 
+@pytest.mark.tensorflow_only(reason=(
+    "subprocess test: launches its KERAS_BACKEND=jax child (jax blocked) once, from the "
+    "TensorFlow run"))
 def test_a_missing_backend_is_one_line_that_names_its_extra():
     """Keras imports its backend when first imported: with that backend not installed (here
     JAX, blocked in the child) the command says which extra installs it, in one line."""

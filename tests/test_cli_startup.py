@@ -15,8 +15,6 @@ import sys
 
 import pytest
 
-pytestmark = pytest.mark.all_backends
-
 FRAMEWORKS = ("tensorflow", "keras", "jax", "torch")
 
 # Runs argv (json) through pergrad.cli.main in a fresh interpreter, then prints one JSON line:

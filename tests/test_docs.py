@@ -1,10 +1,9 @@
 """Every ```python block of the README and docs/ runs, top to bottom per file, so the docs can't rot.
 
-Blocks fenced as ```text are shown, not run. Every page runs on TensorFlow; the pages in
-``JAX_PAGES`` run on JAX too, each in a fresh ``KERAS_BACKEND=jax`` subprocess with 64-bit
-types turned on first, as docs/backends.md tells JAX users to, and those in ``TORCH_PAGES`` on
-PyTorch (``KERAS_BACKEND=torch``). The children are launched from the TensorFlow run of the
-suite (these tests are not marked ``all_backends``), as in tests/test_jax_distribution.py.
+Blocks fenced as ```text are shown, not run. Each page runs in a fresh process on the suite's
+own backend: every page on TensorFlow, the pages in ``JAX_PAGES`` in the JAX suite (64-bit types
+turned on first, as docs/backends.md tells JAX users to), those in ``TORCH_PAGES`` in the
+PyTorch suite.
 """
 
 from __future__ import annotations
@@ -16,6 +15,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import keras
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -65,26 +65,29 @@ def run_page(page: Path, tmp_path: Path, backend: str, prelude: str = "") -> Non
     assert done.returncode == 0, f"{page.name} failed on {backend}:\n{done.stderr[-4000:]}"
 
 
-@pytest.mark.parametrize("page", [p for p in PAGES if python_blocks(p)],
-                         ids=lambda p: p.relative_to(ROOT).as_posix())
-def test_page_code_runs(page, tmp_path):
-    run_page(page, tmp_path, "tensorflow")
+def pages_run_here() -> list[str]:
+    """The pages whose code this suite's backend runs: every page with ```python blocks on
+    TensorFlow, :data:`JAX_PAGES` on JAX, :data:`TORCH_PAGES` on PyTorch."""
+    backend = keras.backend.backend()
+    if backend == "jax":
+        return list(JAX_PAGES)
+    if backend == "torch":
+        return list(TORCH_PAGES)
+    return [p.relative_to(ROOT).as_posix() for p in PAGES if python_blocks(p)]
 
 
-@pytest.mark.parametrize("name", JAX_PAGES)
-def test_page_code_runs_on_jax(name, tmp_path):
+@pytest.mark.parametrize("name", pages_run_here())
+def test_page_code_runs(name, tmp_path):
+    """The page's code, top to bottom, in a fresh process on this suite's backend (on JAX with
+    64-bit types turned on first, as docs/backends.md tells JAX users to)."""
     page = ROOT / name
-    assert python_blocks(page), f"{name} has no ```python block to run on JAX"
-    run_page(page, tmp_path, "jax", JAX_PRELUDE)
+    backend = keras.backend.backend()
+    assert python_blocks(page), f"{name} has no ```python block to run on {backend}"
+    run_page(page, tmp_path, backend, JAX_PRELUDE if backend == "jax" else "")
 
 
-@pytest.mark.parametrize("name", TORCH_PAGES)
-def test_page_code_runs_on_torch(name, tmp_path):
-    page = ROOT / name
-    assert python_blocks(page), f"{name} has no ```python block to run on PyTorch"
-    run_page(page, tmp_path, "torch")
-
-
+@pytest.mark.only_on("tensorflow", reason=(
+    "a text check of README.md against .ci/run, the same on every backend: run once"))
 def test_ci_runs_the_readme_test_command():
     """``.ci/run`` runs the README's test command (the ``bash`` block that installs the test
     extra), each of its ``&&`` steps as a line of its own, in order."""

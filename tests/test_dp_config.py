@@ -11,8 +11,6 @@ import pytest
 import pergrad
 from pergrad.keras import DPConfig, PrivacyCallback, make_private
 
-pytestmark = pytest.mark.all_backends
-
 LOSS = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
 
 

@@ -10,8 +10,6 @@ import pytest
 from pergrad import aggregate
 from pergrad.keras import DistributedBackup, PerExampleModel, WorkerFailureError, faults
 
-pytestmark = pytest.mark.all_backends
-
 
 def _data():
     rng = np.random.default_rng(0)

@@ -65,7 +65,6 @@ else:
 
     xp = tf.experimental.numpy
 
-pytestmark = pytest.mark.all_backends
 tf_only = pytest.mark.skipif(not ON_TF, reason="TensorFlow behaviour (tf.function, TensorSpec)")
 not_tf = pytest.mark.skipif(ON_TF, reason="JAX and PyTorch behaviour (no tf.function)")
 

@@ -13,6 +13,12 @@ import subprocess
 import sys
 import textwrap
 
+import pytest
+
+pytestmark = pytest.mark.tensorflow_only(reason=(
+    "subprocess test: its KERAS_BACKEND=jax children (XLA_FLAGS for two host devices, "
+    "jax_enable_x64 on or off) are launched once, from the TensorFlow run"))
+
 SCRIPT = textwrap.dedent(r"""
     import json
     import os

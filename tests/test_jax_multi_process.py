@@ -22,11 +22,16 @@ import time
 from pathlib import Path
 
 import numpy as np
+import pytest
 
 from pergrad.bench.multi_worker import free_ports
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from processes import run_bounded  # noqa: E402
+
+pytestmark = pytest.mark.tensorflow_only(reason=(
+    "subprocess test: its two JAX processes (keras.distribution.initialize, gloo collectives, a "
+    "tf.data route) are launched once, from the TensorFlow run"))
 
 TIMEOUT = 150.0
 _ENV = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3")

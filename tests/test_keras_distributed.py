@@ -14,6 +14,10 @@ import textwrap
 
 import pytest
 
+pytestmark = pytest.mark.tensorflow_only(reason=(
+    "tf.distribute.MirroredStrategy over two logical TensorFlow CPU devices, in a TensorFlow "
+    "subprocess"))
+
 SCRIPT = textwrap.dedent(r"""
     import json
     import os

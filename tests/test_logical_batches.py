@@ -12,8 +12,6 @@ import pytest
 import pergrad
 from pergrad import aggregate
 
-pytestmark = pytest.mark.all_backends
-
 LOSS = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
 
 

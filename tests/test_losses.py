@@ -9,8 +9,6 @@ import pytest
 
 from pergrad.engine.losses import leaf_loss
 
-pytestmark = pytest.mark.all_backends
-
 
 def _numpy(t) -> np.ndarray:
     return np.asarray(keras.ops.convert_to_numpy(t))

@@ -1,7 +1,8 @@
 """GradientMonitor: statistics in the training step, CSV, TensorBoard events, per-example tracking.
 
-The tests marked ``all_backends`` run on TensorFlow and JAX; each compares with an independent
-float64 computation (NumPy), so both backends are held to the same numbers."""
+Every test not marked ``tensorflow_only`` runs on TensorFlow, JAX and PyTorch; each compares
+with an independent float64 computation (NumPy), so every backend is held to the same
+numbers."""
 
 from __future__ import annotations
 
@@ -19,8 +20,6 @@ from pergrad.backend.lazy import tensorflow as tf  # on first use: TensorFlow ma
 from pergrad.keras import PerExampleModel
 from pergrad.keras.monitor import LOGGED_STATISTICS, GradientMonitor, csv_columns
 from pergrad.stats import BATCH_STATISTICS, gradient_statistics
-
-BOTH = pytest.mark.all_backends
 
 INDEX_KEY = "example_index"
 SCCE = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
@@ -118,7 +117,6 @@ def _fit_in_fixed_order(monitor, inner=None):
                                             verbose=0, callbacks=[monitor])
 
 
-@BOTH
 def test_fixed_order_tracking_csv_and_history(tmp_path, float64):
     x, y = _data()
     csv_path = str(tmp_path / "stats.csv")
@@ -166,7 +164,6 @@ def test_fixed_order_tracking_csv_and_history(tmp_path, float64):
     assert len(monitor.history) == steps
 
 
-@BOTH
 @pytest.mark.needs_tensorflow  # TensorBoard's event files are written and read with TensorFlow
 def test_tensorboard_scalars_and_histograms_every_step(tmp_path, float64):
     log_dir = str(tmp_path / "tb")
@@ -186,7 +183,6 @@ def test_tensorboard_scalars_and_histograms_every_step(tmp_path, float64):
         assert sorted(tags[key]) == list(range(steps))
 
 
-@BOTH
 @pytest.mark.needs_tensorflow  # a shuffled tf.data pipeline
 def test_supplied_indices_under_shuffling(float64):
     x, y = _data(1)
@@ -203,7 +199,6 @@ def test_supplied_indices_under_shuffling(float64):
     assert monitor.most_conflicting(3)[0] == ODD
 
 
-@BOTH
 def test_every_n_steps_skips_and_holds(float64):
     x, y = _data()
     monitor = GradientMonitor(every_n_steps=2, num_examples=N)
@@ -219,7 +214,6 @@ def test_every_n_steps_skips_and_holds(float64):
     assert history.history["noise_scale"][-1] == pytest.approx(monitor.history[-1]["noise_scale"])
 
 
-@BOTH
 def test_zero_weight_examples_are_not_counted(float64):
     x, y = _data()
     weight = np.ones(N)
@@ -232,7 +226,6 @@ def test_zero_weight_examples_are_not_counted(float64):
     assert seen[0] == 0 and seen[9] == 0 and seen.sum() == N - 2
 
 
-@BOTH
 def test_compute_in_a_custom_loop_grows_tables():
     """No callback, no num_examples: compute() alone works (in the user's own compiled
     function, and eagerly) and the tables grow to the indices."""
@@ -257,7 +250,6 @@ def test_compute_in_a_custom_loop_grows_tables():
     assert monitor.example_table()["seen"][:8].tolist() == [2, 1, 2, 1, 2, 1, 2, 1]
 
 
-@BOTH
 def test_rankings_follow_the_example_table():
     """most_conflicting ranks by mean cosine to the rest (default) or by opposed fraction."""
     inner = _inner()
@@ -280,7 +272,6 @@ def test_rankings_follow_the_example_table():
         monitor.most_conflicting(3, against="median")
 
 
-@BOTH
 def test_bad_arguments():
     with pytest.raises(ValueError, match="every_n_steps"):
         GradientMonitor(every_n_steps=0)
@@ -288,7 +279,6 @@ def test_bad_arguments():
         GradientMonitor(num_examples=-3)
 
 
-@BOTH
 def test_tensorboard_without_tensorflow_is_a_clear_error(monkeypatch):
     import pergrad.keras.monitor as monitor_module
 
@@ -298,7 +288,6 @@ def test_tensorboard_without_tensorflow_is_a_clear_error(monkeypatch):
     GradientMonitor(csv_path="m.csv")  # the CSV needs no TensorFlow
 
 
-@BOTH
 def test_with_per_example_model(tmp_path, float64):
     """The real PerExampleModel: fit adds the monitor, pops x["example_index"] into indices."""
     from pergrad.keras import INDEX_KEY as MODEL_INDEX_KEY
@@ -320,7 +309,6 @@ def test_with_per_example_model(tmp_path, float64):
         assert len(list(csv.DictReader(f))) == EPOCHS * N // BATCH
 
 
-@BOTH
 def test_a_nan_example_does_not_poison_the_monitor():
     """PerExampleModel drops a non-finite example; the monitor sees it as inactive."""
     from pergrad.keras import PerExampleModel
@@ -341,7 +329,6 @@ def test_a_nan_example_does_not_poison_the_monitor():
     assert history.history["dropped_examples"] == [1.0, 1.0]
 
 
-@BOTH
 def test_tables_over_several_steps_match_a_float64_replay(float64):
     """Three epochs of SGD with every second step monitored and the examples in a permuted order:
     the per-example tables, the monitor's rows and the values a skipped step holds, against the
@@ -410,7 +397,6 @@ def test_tables_over_several_steps_match_a_float64_replay(float64):
                  [rows[k][2]["noise_scale"] for k in (1, 2, 4)], what="held")
 
 
-@BOTH
 def test_the_monitor_changes_nothing_in_a_dp_step(float64):
     """A monitor reads the step's raw per-example gradients and draws no noise: the same DP
     model with and without it trains to the same weights and the same noise stream."""
@@ -447,7 +433,6 @@ def _conv_inner():
         keras.layers.Flatten(), keras.layers.Dense(3)])
 
 
-@BOTH
 def test_the_monitor_changes_nothing_in_a_mean_step(float64):
     """A monitored step's ``mean()`` sums read the per-example matrices the statistics built
     (``GradientMonitor.compute_alongside``), a skipped step's the layer inputs: over steps of
@@ -473,7 +458,6 @@ def test_the_monitor_changes_nothing_in_a_mean_step(float64):
         assert_close(b, c, rtol=1e-10, what=f"weight {k}, monitored against Keras")
 
 
-@BOTH
 def test_a_step_refused_by_the_mixing_check_is_not_recorded():
     """BatchNormalization in training mode mixes examples: the clipped model refuses the first
     step, and the monitor counts nothing from it."""
@@ -491,6 +475,9 @@ def test_a_step_refused_by_the_mixing_check_is_not_recorded():
     assert monitor.example_table()["seen"].sum() == 0 and monitor.history == []
 
 
+@pytest.mark.tensorflow_only(reason=(
+    "MeanStep is a hand-written TensorFlow train_step (tf.cast, tf.fill on the step's tensors) "
+    "compared with PerExampleModel's"))
 def test_a_custom_tensorflow_train_step_follows_the_same_contract(float64):
     """The hand-written step :class:`MeanStep` and ``PerExampleModel`` fill the same tables."""
     x, y = _data(3)

@@ -24,6 +24,10 @@ from pergrad import aggregate  # noqa: E402
 from pergrad.bench.multi_worker import free_ports  # noqa: E402
 from pergrad.keras.distributed import fit_distributed  # noqa: E402
 
+pytestmark = pytest.mark.tensorflow_only(reason=(
+    "tf.distribute.MultiWorkerMirroredStrategy (fit_distributed, TensorFlow only) over two worker "
+    "processes, and fit_distributed's checks of its tf.data inputs"))
+
 TIMEOUT = 150  # seconds for one launch of both workers
 
 

@@ -15,8 +15,15 @@ import pergrad
 from pergrad import aggregate
 from pergrad.aggregate import NoiseStream
 
-# Every test here is TensorFlow's (none is marked all_backends).
 tf = pytest.importorskip("tensorflow", reason="needs tensorflow (pip install pergrad[tensorflow])")
+pytestmark = pytest.mark.tensorflow_only(reason=(
+    "dp_mean on tf tensors (tf.constant inputs, tf.int64 keys, a custom tf.function loop), its "
+    "results and NoiseStream's keys read with .numpy() (on JAX a key is a NumPy array); noise "
+    "statistics on every backend are tests/test_noise_distribution.py"))
+NOT_YET_FIT = pytest.mark.tensorflow_only(reason=(
+    "not yet run on JAX/PyTorch: only PerExampleModel.fit, save/load and Keras variables (nothing "
+    "TensorFlow-specific); would need a run on the JAX and PyTorch train steps (JAX draws each "
+    "key outside jax.jit)"))
 
 B = 4
 
@@ -90,6 +97,7 @@ def test_noise_stream_keys_advance_and_a_seed_reproduces_them():
     assert NoiseStream().seed != NoiseStream().seed
 
 
+@NOT_YET_FIT
 def test_fit_draws_fresh_noise_every_step_and_after_recompiling():
     model = _dp_model(aggregate.dp_mean(1.0, 1.0))
     first, second = _noise_of_one_step(model), _noise_of_one_step(model)
@@ -100,6 +108,7 @@ def test_fit_draws_fresh_noise_every_step_and_after_recompiling():
         assert not np.allclose(a, b)
 
 
+@NOT_YET_FIT
 def test_one_unseeded_aggregator_shared_by_two_models_gives_each_its_own_noise():
     agg = aggregate.dp_mean(1.0, 1.0)
     first, second = _dp_model(agg), _dp_model(agg)
@@ -119,6 +128,7 @@ def test_a_seeded_aggregator_feeds_one_model_only():
         _dp_model(used_directly)
 
 
+@NOT_YET_FIT
 def test_the_same_seed_reproduces_the_same_noise():
     first = _dp_model(aggregate.dp_mean(1.0, 1.0, seed=21))
     second = _dp_model(aggregate.dp_mean(1.0, 1.0, seed=21))
@@ -128,6 +138,7 @@ def test_the_same_seed_reproduces_the_same_noise():
 
 
 @pytest.mark.parametrize("seed", [31, None])
+@NOT_YET_FIT
 def test_a_restored_model_resumes_the_noise_stream(tmp_path, seed):
     model = _dp_model(aggregate.dp_mean(1.0, 1.0, seed=seed))
     first = _noise_of_one_step(model)

@@ -23,8 +23,6 @@ from pergrad import backend
 from pergrad.aggregate import noise
 from pergrad.backend import host_random
 
-pytestmark = pytest.mark.all_backends
-
 BOX_MULLER_CUT = math.sqrt(2 * (noise.RADIUS_BITS + 1) * math.log(2))
 INVERSE_CDF_CUT = -float(special.ndtri(2.0 ** -(noise.INVERSE_CDF_BITS + 2)))
 

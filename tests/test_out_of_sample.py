@@ -14,8 +14,6 @@ from pergrad.analysis.out_of_sample import (
     fold_assignment,
 )
 
-pytestmark = pytest.mark.all_backends
-
 
 def _noisy_probabilities(n: int = 400, classes: int = 4, seed: int = 0):
     """Predicted probabilities peaked on a true class, labels with 15% flipped."""

@@ -16,8 +16,6 @@ from pergrad.rules.conv import conv_rule
 from pergrad.rules.cost import SHIFTED_MIN_CHANNELS, folded_products_win, shifted_products_win
 from pergrad.rules.forms import Factored
 
-pytestmark = pytest.mark.all_backends
-
 L = keras.layers
 B = 4
 WIDE = SHIFTED_MIN_CHANNELS

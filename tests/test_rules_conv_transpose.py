@@ -18,8 +18,11 @@ from rule_check import assert_rule_matches_oracle
 from pergrad.rules import LayerCall
 from pergrad.rules.conv_transpose import conv_transpose_rule
 
-# Every test here is TensorFlow's (none is marked all_backends).
 tf = pytest.importorskip("tensorflow", reason="needs tensorflow (pip install pergrad[tensorflow])")
+pytestmark = pytest.mark.tensorflow_only(reason=(
+    "not yet run on JAX/PyTorch: the rule against the loop oracle through tests/rule_check.py, as "
+    "the all-backend tests/test_rules_conv.py does; would need a run on each backend (and could "
+    "add channels_first, which TensorFlow on CPU cannot run)"))
 
 L = keras.layers
 B = 4
@@ -97,6 +100,9 @@ def _dilated_kernel(kernel: tf.Tensor, dilation: int) -> tf.Tensor:
 
 @pytest.mark.parametrize("dims", [1, 2, 3])
 @pytest.mark.parametrize("padding", ["valid", "same"])
+@pytest.mark.tensorflow_only(reason=(
+    "its oracle is per-example tf.GradientTape passes through a zero-dilated kernel built "
+    "with tf.scatter_nd, fed tf.constant inputs"))
 def test_dilated_rule_matches_dilated_kernel_oracle(dims, padding, float64):
     """A dilated transposed convolution is the undilated one with a zero-dilated kernel. TF's
     CPU kernels refuse ``dilation_rate > 1`` for the layer itself, so the rule is called directly

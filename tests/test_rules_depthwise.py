@@ -11,8 +11,6 @@ from rule_check import assert_rule_matches_oracle
 
 from pergrad.rules.depthwise import depthwise_rule, separable_rule
 
-pytestmark = pytest.mark.all_backends
-
 L = keras.layers
 B = 4
 CHANNELS = 3

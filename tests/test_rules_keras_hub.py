@@ -17,8 +17,6 @@ import pergrad
 
 keras_hub = pytest.importorskip("keras_hub", reason="needs keras_hub (pip install pergrad[hub])")
 
-pytestmark = pytest.mark.all_backends
-
 B, T, VOCAB, HIDDEN = 4, 8, 19, 16
 LORA_RANK = 4
 SCCE = keras.losses.SparseCategoricalCrossentropy(from_logits=True)

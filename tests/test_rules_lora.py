@@ -18,8 +18,6 @@ from pergrad.rules.dense import dense_rule
 from pergrad.rules.einsum_dense import einsum_dense_rule
 from pergrad.rules.forms import Factored
 
-pytestmark = pytest.mark.all_backends
-
 L = keras.layers
 B = 5
 

@@ -15,8 +15,6 @@ from pergrad.engine.intercept import record_calls
 from pergrad.rules import find_rule
 from pergrad.rules.recurrent import recurrent_forward, recurrent_rule
 
-pytestmark = pytest.mark.all_backends
-
 L = keras.layers
 B, T, FEATURES, UNITS, VOCABULARY = 4, 5, 2, 3, 7
 LENGTHS = (5, 3, 1, 4)  # of the padded sequences: every example masks a different tail

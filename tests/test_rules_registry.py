@@ -11,8 +11,6 @@ import pergrad
 from pergrad.rules import cost, find_rule, register, registered_layer_classes
 from pergrad.rules.forms import Factored, Form, Materialized, Rows, Scaled
 
-pytestmark = pytest.mark.all_backends
-
 
 def test_one_rule_for_several_classes():
     class ScaleA(keras.layers.Layer):

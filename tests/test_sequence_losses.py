@@ -13,8 +13,6 @@ from oracle import assert_close, keras_loss, loop_gradients
 import pergrad
 from pergrad import aggregate
 
-pytestmark = pytest.mark.all_backends
-
 B, T = 6, 5
 
 

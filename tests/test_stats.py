@@ -15,8 +15,6 @@ from pergrad import backend
 from pergrad.rules import forms
 from pergrad.stats import BATCH_STATISTICS, batch_statistics, gradient_statistics, gram
 
-pytestmark = pytest.mark.all_backends
-
 
 def reference(flat: np.ndarray, active: np.ndarray) -> dict[str, float]:
     """Every statistic, written out in numpy from the (B, P) matrix of per-example gradients."""

@@ -299,8 +299,9 @@ def batch_gradient(model, loss_fn, x, y, sample_weight, training: bool) -> list:
         current_values(model.trainable_variables))
 
 
-def compile_function(model, body, on_trace) -> Any:
-    """``body(*args)`` as one ``jax.jit`` over the model's variable values and ``args``.
+def compile_function(model, body, on_trace, jit_compile: bool = False) -> Any:
+    """``body(*args)`` as one ``jax.jit`` over the model's variable values and ``args``
+    (always compiled by XLA: ``jit_compile`` changes nothing).
 
     The compiled function reads the variables' values at every call (so it sees training
     updates without retracing) and writes back what the body assigned (seed states)."""

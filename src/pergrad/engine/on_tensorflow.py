@@ -141,3 +141,18 @@ def batch_gradient(model, loss_fn, x, y, sample_weight, training: bool) -> list:
     batch = tape.gradient(total, model.trainable_variables,
                           unconnected_gradients=tf.UnconnectedGradients.ZERO)
     return [tf.convert_to_tensor(g) for g in batch]  # IndexedSlices too
+
+
+def compile_function(model, body, on_trace, jit_compile: bool = False) -> Any:
+    """``body(*args)`` as one ``tf.function`` (``reduce_retracing=True``; XLA with
+    ``jit_compile``), ``on_trace()`` called at every trace. The model's variables are read as
+    variables, so training updates are seen without retracing. No AutoGraph: Keras 3 layers
+    need none, traces are faster, and errors raised while tracing (``MixesExamplesError``,
+    ``ControlFlowError``) reach the caller with their types."""
+    del model
+
+    def traced(*args):
+        on_trace()
+        return body(*args)
+
+    return tf.function(traced, jit_compile=jit_compile, reduce_retracing=True, autograph=False)

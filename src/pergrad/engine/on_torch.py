@@ -323,11 +323,11 @@ def batch_gradient(model, loss_fn, x, y, sample_weight, training: bool) -> list:
     return _zero_if_none(grads, [v.detach() for v in values])
 
 
-def compile_function(model, body, on_trace) -> Any:
+def compile_function(model, body, on_trace, jit_compile: bool = False) -> Any:
     """``body(*args)``, run eagerly with autograd off (the engine turns it on for its one
     backward pass). Nothing is traced, so ``on_trace`` is never called: ``trace_counts`` stays
-    0 on PyTorch."""
-    del model, on_trace
+    0 on PyTorch, and ``jit_compile`` is ignored."""
+    del model, on_trace, jit_compile
 
     def call(*args):
         with torch.no_grad():

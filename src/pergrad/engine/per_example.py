@@ -131,22 +131,14 @@ class PerExample:
         """``body`` compiled and cached under ``name``, traced once per input signature and
         counted in ``trace_counts[name]``: a ``tf.function`` (``reduce_retracing=True``) on
         TensorFlow, a ``jax.jit`` over the model's variable values and the arguments on JAX,
-        the body run eagerly (nothing traced, ``trace_counts`` stays 0) on PyTorch. For code that builds its own computations on :meth:`compute`, as ``pergrad.stats``
-        does."""
-        if name not in self._compiled and not backend.is_tensorflow():
+        the body run eagerly (nothing traced, ``trace_counts`` stays 0) on PyTorch: the
+        backend engine's ``compile_function``. For code that builds its own computations on
+        :meth:`compute`, as ``pergrad.stats`` does."""
+        if name not in self._compiled:
             def count():
                 self.trace_counts[name] += 1
-            self._compiled[name] = self._engine.compile_function(self.model, body, count)
-        if name not in self._compiled:
-            import tensorflow as tf
-
-            def traced(*args):
-                self.trace_counts[name] += 1
-                return body(*args)
-            # No AutoGraph: Keras 3 layers need none, traces are faster, and errors raised while
-            # tracing (MixesExamplesError, ControlFlowError) reach the caller with their types.
-            self._compiled[name] = tf.function(traced, jit_compile=self.jit_compile,
-                                               reduce_retracing=True, autograph=False)
+            self._compiled[name] = self._engine.compile_function(
+                self.model, body, count, jit_compile=self.jit_compile)
         return self._compiled[name]
 
     def prepare(self, x, y=None, sample_weight=None) -> tuple:

@@ -6,6 +6,8 @@ and the whole-model baselines ``loop``, ``jacobian`` and ``vmap``, each defined 
 
 from __future__ import annotations
 
+import importlib
+
 from pergrad import backend
 from pergrad.engine.losses import weighted_losses
 from pergrad.engine.plan import Plan
@@ -17,14 +19,7 @@ STRATEGIES = ("auto", "vmap", "jacobian", "loop")
 def engine_module():
     """The running backend's engine module."""
     name = backend.require_supported("pergrad's engine", backend.ENGINE_SUPPORTED)
-    if name == "jax":
-        from pergrad.engine import on_jax
-        return on_jax
-    if name == "torch":
-        from pergrad.engine import on_torch
-        return on_torch
-    from pergrad.engine import on_tensorflow
-    return on_tensorflow
+    return importlib.import_module(f"pergrad.engine.on_{name}")
 
 
 def run(strategy: str, model, plan: Plan, loss_fn, x, y, sample_weight, training: bool,

@@ -33,7 +33,8 @@ import keras
 from keras import ops
 
 from pergrad.engine import compute_dtype, mixing_tolerance
-from pergrad.keras import step
+from pergrad.keras import fit_parts, step
+from pergrad.keras.faults import lost_process_errors
 
 UNCHECKED, CHECKED, REFUSED = step.UNCHECKED, step.CHECKED, step.REFUSED
 RECORD_VALUES = True  # every variable read through the scope: the values of the step's state
@@ -135,3 +136,34 @@ def check_example_mixing(model, engine, x, y, sample_weight) -> list:
     current = ops.convert_to_tensor(status.value)
     status.assign(jax.lax.cond(current == UNCHECKED, check, lambda: current))
     return []
+
+
+class Trainer:
+    """``PerExampleModel``'s JAX trainer part: a refused step is reported by a callback
+    (``fit``) or from the logs (``train_on_batch``), the model's values are put back if the
+    compiled loop raises, a lost process is reported, and a monitor needs one process."""
+
+    def _add_mixing_state(self) -> None:
+        fit_parts.add_mixing_status(self)
+
+    def _compiled_for_backend(self, kwargs: dict) -> None:
+        if self.mixing_status is not None:
+            self.mixing_status.assign(0)  # a new loss may mix examples: check it again
+
+    def fit(self, *args, **kwargs):
+        fit_parts.require_one_process_for_monitor(self.monitor)
+        args, kwargs = fit_parts.with_monitor_callback(self, args, kwargs)
+        if self.mixing_status is not None:
+            args, kwargs = fit_parts.with_first_callback(self, fit_parts.MixingRefusal(), args,
+                                                         kwargs)
+        callbacks = fit_parts.callbacks_of(self, args, kwargs)
+        with lost_process_errors(callbacks), fit_parts.values_restored_on_error(self):
+            return super().fit(*args, **kwargs)
+
+    def train_on_batch(self, *args, **kwargs):
+        return_dict = kwargs.pop("return_dict", False)
+        fit_parts.require_one_process_for_monitor(self.monitor)
+        with lost_process_errors(), fit_parts.values_restored_on_error(self):
+            logs = dict(super().train_on_batch(*args, return_dict=True, **kwargs))
+        fit_parts.raise_if_refused(logs)
+        return logs if return_dict else self._flatten_metrics_in_order(logs)

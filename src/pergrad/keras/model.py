@@ -14,6 +14,7 @@ is dropped like a NaN example, so no single example decides whether a DP step ha
 
 from __future__ import annotations
 
+import importlib
 import inspect
 import math
 import warnings
@@ -24,16 +25,14 @@ import keras
 from keras import ops
 
 from pergrad import aggregate
-from pergrad._compat import held_value
 from pergrad.aggregate import noise
-from pergrad.backend import ENGINE_SUPPORTED, is_jax, is_tensorflow, is_torch, require_supported
-from pergrad.backend.lazy import tensorflow as tf
+from pergrad.backend import ENGINE_SUPPORTED, require_supported
+from pergrad.backend import name as backend_name
 from pergrad.engine import PerExample
 from pergrad.engine.losses import leaf_loss
-from pergrad.keras import logical_batches, step, tf_step
-from pergrad.keras.faults import backups_first, lost_process_errors
+from pergrad.keras import fit_parts, logical_batches, step
+from pergrad.keras.faults import backups_first
 from pergrad.keras.step import INDEX_KEY
-from pergrad.rules.normalization import MixesExamplesError
 from pergrad.stats.scores import loss_from_logits
 
 __all__ = ["INDEX_KEY", "PerExampleModel", "compiled_per_example_loss"]
@@ -88,8 +87,32 @@ def compiled_per_example_loss(loss, loss_weights, output_names, dict_outputs: bo
     return _weighted_leaf(loss, weight), None
 
 
+#: The module of each backend's train-step parts and trainer.
+_STEP_MODULES = {"tensorflow": "tf_step", "jax": "jax_step", "torch": "torch_step"}
+
+
+def _backend_step() -> ModuleType:
+    """The train step's parts for the Keras backend (:data:`_STEP_MODULES`)."""
+    return importlib.import_module(f"pergrad.keras.{_STEP_MODULES[require_supported()]}")
+
+
+class _Unsupported:
+    """The trainer part on a backend pergrad does not run on (``PerExampleModel`` refuses to
+    be built there)."""
+
+
+def _trainer() -> type:
+    """The backend's trainer part, a base class of :class:`PerExampleModel` as Keras composes
+    ``Model`` from its backend's trainer (``Trainer`` of :mod:`pergrad.keras.tf_step`,
+    :mod:`~pergrad.keras.jax_step` or :mod:`~pergrad.keras.torch_step`): the mixing state,
+    what ``compile`` resets, ``fit`` and ``train_on_batch``."""
+    if backend_name() not in _STEP_MODULES:
+        return _Unsupported
+    return _backend_step().Trainer
+
+
 @keras.saving.register_keras_serializable(package="pergrad")
-class PerExampleModel(keras.Model):
+class PerExampleModel(_trainer(), keras.Model):
     """A Keras model whose ``fit`` aggregates per-example gradients with ``aggregator``.
 
     ``compile``, ``fit``, ``evaluate``, ``predict``, ``summary``, ``save`` behave as in Keras.
@@ -156,9 +179,8 @@ class PerExampleModel(keras.Model):
         self.logical_sums = None
         self.logical_rows = None
         if self.aggregator.noisy:
-            if is_jax():
-                noise.require_64_bit_keys()
-                _require_shared_seed(self.aggregator)
+            noise.require_64_bit_keys()
+            fit_parts.require_shared_seed(self.aggregator)
             seed = self.aggregator.noise.claim(self, self.aggregator.name)
             self.noise_state = self.add_weight(
                 shape=noise.KEY_SHAPE, dtype="int64", trainable=False, name="noise_state",
@@ -171,16 +193,9 @@ class PerExampleModel(keras.Model):
                     "noise-free per-example gradients: they are not differentially private. Use "
                     "them for debugging only; do not release them.", stacklevel=2)
         self.mixing_checked = None
-        self.mixing_status = None  # JAX: 0 unchecked, 1 checked, 2 refused (see jax_step)
+        self.mixing_status = None  # JAX, PyTorch: 0 unchecked, 1 checked, 2 refused
         if self.check_example_mixing and self.aggregator.clips:
-            if is_tensorflow():
-                self.mixing_checked = tf.Variable(
-                    False, trainable=False, name="example_mixing_checked",
-                    aggregation=tf.VariableAggregation.ONLY_FIRST_REPLICA)
-            else:
-                self.mixing_status = self.add_weight(
-                    shape=(), dtype="int32", trainable=False, name="example_mixing_status",
-                    initializer="zeros")
+            self._add_mixing_state()  # the backend trainer's (Trainer)
         if model.built:
             self.built = True
 
@@ -217,24 +232,7 @@ class PerExampleModel(keras.Model):
         self.accumulation_steps = logical_batches.accumulation_steps(self.optimizer)
         if self.accumulation_steps > 1 and self.aggregator.noisy and self.model.built:
             logical_batches.add_accumulators(self)
-        if is_torch() and self.jit_compile:
-            # The step reads values on the host (the mixing check, noise keys, the monitor's
-            # tables), which torch.compile would split into many graphs.
-            warnings.warn("PerExampleModel runs its train step eagerly on PyTorch; "
-                          "jit_compile=True (torch.compile) is ignored.", stacklevel=2)
-            self.jit_compile = False
-        if self.mixing_status is not None:
-            self.mixing_status.assign(0)  # a new loss may mix examples: check it again
-        if self.mixing_checked is not None:
-            self.mixing_checked.assign(False)  # a new loss may mix examples: check it again
-            if self.jit_compile:
-                # XLA compiles tf.debugging.Assert to nothing, which would skip the check.
-                if kwargs.get("jit_compile") is True:
-                    warnings.warn("PerExampleModel compiles its train step without XLA while "
-                                  "check_example_mixing=True (an XLA assertion cannot stop a "
-                                  "step). Check with PerExample.check(x, y) and pass "
-                                  "check_example_mixing=False to use XLA.", stacklevel=2)
-                self.jit_compile = False
+        self._compiled_for_backend(kwargs)  # the backend trainer's (Trainer)
 
     def compile_from_config(self, config) -> None:
         config = keras.saving.deserialize_keras_object(config)
@@ -247,34 +245,7 @@ class PerExampleModel(keras.Model):
         if self.logical_sums is not None:
             self._check_whole_logical_batches(args, kwargs)
         args, kwargs = backups_first(self, args, kwargs)
-        if is_torch():  # eager: a refused first step raises MixesExamplesError itself
-            args, kwargs = self._with_monitor_callback(args, kwargs)
-            return super().fit(*args, **kwargs)
-        if not is_tensorflow():
-            return self._fit_jax(*args, **kwargs)
-        if isinstance(self.distribute_strategy, tf.distribute.MultiWorkerMirroredStrategy) \
-                and self.distribute_strategy.num_replicas_in_sync > 1:
-            raise ValueError(
-                "Keras's fit does not run under MultiWorkerMirroredStrategy (keras-team/keras "
-                "issue 20585). Train with pergrad.keras.fit_distributed(model, x, y, "
-                "batch_size=..., epochs=..., checkpoint_dir=...): the same train step, callbacks "
-                "and aggregator, under strategy.run.")
-        args, kwargs = self._with_monitor_callback(args, kwargs)
-        with tf_step.mixing_errors():
-            return super().fit(*args, **kwargs)
-
-    def train_on_batch(self, *args, **kwargs):
-        if is_torch():
-            return super().train_on_batch(*args, **kwargs)
-        if not is_tensorflow():
-            return_dict = kwargs.pop("return_dict", False)
-            _require_one_process_for_monitor(self.monitor)
-            with lost_process_errors(), _values_restored_on_error(self):
-                logs = dict(super().train_on_batch(*args, return_dict=True, **kwargs))
-            _raise_if_refused(logs)
-            return logs if return_dict else self._flatten_metrics_in_order(logs)
-        with tf_step.mixing_errors():
-            return super().train_on_batch(*args, **kwargs)
+        return super().fit(*args, **kwargs)  # the backend trainer's fit, then Keras's
 
     def _check_whole_logical_batches(self, args: tuple, kwargs: dict) -> None:
         """Refuse ``fit`` on arrays whose epoch of micro-batches would end inside a logical
@@ -306,43 +277,6 @@ class PerExampleModel(keras.Model):
         arrays = x is not None and all(hasattr(leaf, "shape") for leaf in keras.tree.flatten(x))
         return (), config.fit_arguments(arguments, given_batches=not arrays,
                                         accumulation_steps=self.accumulation_steps)
-
-    def _with_monitor_callback(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-        """``fit``'s arguments with the monitor added (last) to the callbacks, if it is a
-        Keras callback and not there yet."""
-        if not isinstance(self.monitor, keras.callbacks.Callback):
-            return args, kwargs
-        bound = inspect.signature(keras.Model.fit).bind_partial(self, *args, **kwargs)
-        callbacks = bound.arguments.get("callbacks") or []
-        if isinstance(callbacks, keras.callbacks.CallbackList):
-            if not any(c is self.monitor for c in callbacks.callbacks):
-                callbacks.append(self.monitor)
-                self.monitor.set_model(self)
-            return args, kwargs
-        callbacks = list(callbacks)
-        if not any(c is self.monitor for c in callbacks):
-            callbacks.append(self.monitor)
-        bound.arguments["callbacks"] = callbacks
-        return bound.args[1:], bound.kwargs
-
-    def _fit_jax(self, *args, **kwargs):
-        """``fit`` on JAX, with the callback that turns a refused first step into
-        :class:`MixesExamplesError` (see :mod:`pergrad.keras.jax_step`) and the monitor's."""
-        _require_one_process_for_monitor(self.monitor)
-        args, kwargs = self._with_monitor_callback(args, kwargs)
-        if self.mixing_status is not None:
-            bound = inspect.signature(keras.Model.fit).bind_partial(self, *args, **kwargs)
-            callbacks = bound.arguments.get("callbacks") or []
-            if isinstance(callbacks, keras.callbacks.CallbackList):
-                callbacks.callbacks.insert(0, _MixingRefusal())
-                callbacks.callbacks[0].set_model(self)
-            else:
-                bound.arguments["callbacks"] = [_MixingRefusal(), *callbacks]
-            args, kwargs = bound.args[1:], bound.kwargs
-        callbacks = inspect.signature(keras.Model.fit).bind_partial(
-            self, *args, **kwargs).arguments.get("callbacks")
-        with lost_process_errors(callbacks), _values_restored_on_error(self):
-            return super().fit(*args, **kwargs)
 
     def get_config(self) -> dict:
         return {
@@ -376,91 +310,3 @@ class PerExampleModel(keras.Model):
         (:mod:`pergrad.keras.torch_step`); on JAX Keras's functional ``train_step(state, data)
         -> (logs, state)`` (:mod:`pergrad.keras.jax_step`)."""
         return _backend_step().train_step(self, *args)
-
-
-def _backend_step() -> ModuleType:
-    """The train step's parts for the Keras backend (JAX's and PyTorch's import their framework,
-    so they are imported on first use)."""
-    if is_torch():
-        from pergrad.keras import torch_step
-        return torch_step
-    if is_jax():
-        from pergrad.keras import jax_step
-        return jax_step
-    return tf_step
-
-
-class _values_restored_on_error:
-    """JAX's ``fit`` moves every variable's value into its compiled loop and clears the
-    variables until the loop ends. An error raised inside (a refused step, a loss that returns
-    a scalar) would leave the model without weights: put the values from before back."""
-
-    def __init__(self, model) -> None:
-        self.model = model
-
-    def __enter__(self):
-        model = self.model
-        self.variables = list(model.variables)
-        if getattr(model, "optimizer", None) is not None:
-            self.variables += list(model.optimizer.variables)
-        self.variables += list(model.metrics_variables)
-        self.values = [held_value(v) for v in self.variables]
-        return self
-
-    def __exit__(self, kind, error, traceback) -> bool:
-        if error is not None:
-            noise_state = getattr(self.model, "noise_state", None)
-            for variable, value in zip(self.variables, self.values, strict=True):
-                # The noise stream never moves backwards: a key it already gave out would be
-                # drawn again. A Keras that did not hand the state back leaves it empty (any
-                # later use fails) rather than rewound.
-                if variable is noise_state:
-                    continue
-                if value is not None and held_value(variable) is None:
-                    variable.assign(value)
-        return False
-
-
-def _require_one_process_for_monitor(monitor) -> None:
-    """A monitor keeps its tables in the host memory of one process: on several JAX processes
-    each would hold a different part of the batch's statistics."""
-    if monitor is None:
-        return
-    import jax
-    if jax.process_count() > 1:
-        raise ValueError(
-            f"A GradientMonitor keeps its per-example tables in one process; this run has "
-            f"{jax.process_count()} JAX processes. Train without a monitor here (several "
-            "devices in one process are fine), or monitor a one-process run.")
-
-
-def _require_shared_seed(aggregator) -> None:
-    """On several JAX processes every process must start the same stream: ``seed=None`` would
-    draw a different seed in each."""
-    import jax
-    if aggregator.noise.seed is None and jax.process_count() > 1:
-        raise ValueError(
-            f"{aggregator.name}(seed=None) on {jax.process_count()} JAX processes would draw a "
-            "different noise seed in each process. Draw one seed once (e.g. "
-            "pergrad.aggregate.noise.fresh_seed() on process 0, sent to the others with your "
-            "launcher) and pass it as seed= on every process.")
-
-
-def _raise_if_refused(logs: dict) -> None:
-    """Pop the JAX step's mixing status from ``logs``; raise if the step was refused."""
-    status = logs.pop("example_mixing_status", None)
-    if status is not None and int(status) == 2:
-        raise MixesExamplesError(step.REFUSED_MESSAGE)
-
-
-class _MixingRefusal(keras.callbacks.Callback):
-    """Raises :class:`MixesExamplesError` after a refused JAX step (and keeps the status out of
-    the progress bar and the history)."""
-
-    def on_train_batch_end(self, batch, logs=None) -> None:
-        if logs is not None:
-            _raise_if_refused(logs)
-
-    def on_epoch_end(self, epoch, logs=None) -> None:
-        if logs is not None:
-            _raise_if_refused(logs)

@@ -22,10 +22,11 @@ Keras's TensorFlow trainer traces ``train_step(data)`` into a ``tf.function`` (u
 from __future__ import annotations
 
 import sys
+import warnings
 
 from pergrad.backend.lazy import tensorflow as tf
 from pergrad.engine import compute_dtype, mixing_tolerance
-from pergrad.keras import step
+from pergrad.keras import fit_parts, step
 from pergrad.rules.normalization import MixesExamplesError
 
 RECORD_VALUES = False
@@ -120,3 +121,44 @@ def _mixing_detail(text: str) -> str:
     """The assertion's message and the relative difference it printed after it."""
     detail = text[text.index(_MIXING_MARKER):].split("\n")[0]
     return detail.replace("] [", " Relative difference: ").strip(" []")
+
+
+class Trainer:
+    """``PerExampleModel``'s TensorFlow trainer part (as Keras composes ``Model`` from its
+    backend's trainer): the mixing flag as a variable the first replica owns, the assertion
+    turned into :class:`pergrad.MixesExamplesError`, and ``fit`` refused under
+    ``MultiWorkerMirroredStrategy`` (Keras's ``fit`` cannot run there)."""
+
+    def _add_mixing_state(self) -> None:
+        self.mixing_checked = tf.Variable(
+            False, trainable=False, name="example_mixing_checked",
+            aggregation=tf.VariableAggregation.ONLY_FIRST_REPLICA)
+
+    def _compiled_for_backend(self, kwargs: dict) -> None:
+        if self.mixing_checked is None:
+            return
+        self.mixing_checked.assign(False)  # a new loss may mix examples: check it again
+        if self.jit_compile:
+            # XLA compiles tf.debugging.Assert to nothing, which would skip the check.
+            if kwargs.get("jit_compile") is True:
+                warnings.warn("PerExampleModel compiles its train step without XLA while "
+                              "check_example_mixing=True (an XLA assertion cannot stop a "
+                              "step). Check with PerExample.check(x, y) and pass "
+                              "check_example_mixing=False to use XLA.", stacklevel=3)
+            self.jit_compile = False
+
+    def fit(self, *args, **kwargs):
+        if isinstance(self.distribute_strategy, tf.distribute.MultiWorkerMirroredStrategy) \
+                and self.distribute_strategy.num_replicas_in_sync > 1:
+            raise ValueError(
+                "Keras's fit does not run under MultiWorkerMirroredStrategy (keras-team/keras "
+                "issue 20585). Train with pergrad.keras.fit_distributed(model, x, y, "
+                "batch_size=..., epochs=..., checkpoint_dir=...): the same train step, "
+                "callbacks and aggregator, under strategy.run.")
+        args, kwargs = fit_parts.with_monitor_callback(self, args, kwargs)
+        with mixing_errors():
+            return super().fit(*args, **kwargs)
+
+    def train_on_batch(self, *args, **kwargs):
+        with mixing_errors():
+            return super().train_on_batch(*args, **kwargs)

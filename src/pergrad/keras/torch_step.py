@@ -18,13 +18,14 @@ with this module's PyTorch parts:
 from __future__ import annotations
 
 import sys
+import warnings
 
 import keras
 import torch
 from keras import ops
 
 from pergrad.engine import compute_dtype, mixing_tolerance
-from pergrad.keras import step
+from pergrad.keras import fit_parts, step
 from pergrad.rules.normalization import MixesExamplesError
 
 UNCHECKED, CHECKED, REFUSED = step.UNCHECKED, step.CHECKED, step.REFUSED
@@ -76,3 +77,25 @@ def apply(optimizer, grads: list, variables: list, trainable: list) -> None:
     del trainable
     with torch.no_grad():
         optimizer.apply(grads, variables)
+
+
+class Trainer:
+    """``PerExampleModel``'s PyTorch trainer part: eager, so a refused first step raises
+    :class:`pergrad.MixesExamplesError` itself, and ``jit_compile`` is refused with a warning."""
+
+    def _add_mixing_state(self) -> None:
+        fit_parts.add_mixing_status(self)
+
+    def _compiled_for_backend(self, kwargs: dict) -> None:
+        if self.jit_compile:
+            # The step reads values on the host (the mixing check, noise keys, the monitor's
+            # tables), which torch.compile would split into many graphs.
+            warnings.warn("PerExampleModel runs its train step eagerly on PyTorch; "
+                          "jit_compile=True (torch.compile) is ignored.", stacklevel=3)
+            self.jit_compile = False
+        if self.mixing_status is not None:
+            self.mixing_status.assign(0)  # a new loss may mix examples: check it again
+
+    def fit(self, *args, **kwargs):
+        args, kwargs = fit_parts.with_monitor_callback(self, args, kwargs)
+        return super().fit(*args, **kwargs)
