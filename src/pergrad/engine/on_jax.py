@@ -24,16 +24,22 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import keras
-from keras import ops
 
 from pergrad._compat import autocast_scope, call_takes_training
+from pergrad.engine.assemble import (
+    add_rows,
+    assembled_result,
+    forms_by_variable,
+    in_groups,
+    materialized_result,
+)
 from pergrad.engine.functional import assign_written, example_loss, one_example_call, stateless
 from pergrad.engine.intercept import record_calls
 from pergrad.engine.losses import weighted_losses
 from pergrad.engine.masks import masks_of, with_masks
 from pergrad.engine.plan import Plan, draws_random
 from pergrad.engine.result import PerExampleResult
-from pergrad.rules import LayerCall, combine
+from pergrad.rules import LayerCall
 from pergrad.rules.forms import Materialized
 
 
@@ -138,31 +144,17 @@ def run_auto(model, plan: Plan, loss_fn, x, y, sample_weight, training: bool,
         _, residual_grads = jax.vmap(pullback)(eye)
     assign_written(variables, writes)
 
-    rules = {id(layer): rule for layer, rule in plan.ruled}
-    by_variable: dict[int, list] = {}
-    position = 0
+    counts = [len(_floating_leaves(record.tapped)) for record in probe.order]
+    calls = [_rebuild(record, parts, arrays, recorded_inputs)
+             for record, (parts, arrays), recorded_inputs in zip(probe.order, layouts, inputs,
+                                                                 strict=True)]
     with stateless(variables, values):
-        for record, (parts, arrays), recorded_inputs in zip(probe.order, layouts, inputs,
-                                                            strict=True):
-            count = len(_floating_leaves(record.tapped))
-            grads = tap_grads[position:position + count]
-            position += count
-            call = _rebuild(record, parts, arrays, recorded_inputs)
-            rule = rules.get(id(record.layer))
-            if rule is not None:
-                forms = rule.fn(record.layer, call, grads[0])
-            else:
-                forms = generic_forms(record.layer, call, grads, training)
-            for form in forms:
-                by_variable.setdefault(id(form.variable), []).append(form)
+        by_variable = forms_by_variable(
+            plan, zip(calls, in_groups(tap_grads, counts), strict=True),
+            lambda call, grads: generic_forms(call.layer, call, grads, training))
     if residual_index:
-        for k, grad in zip(residual_index, residual_grads, strict=True):
-            variable = variables[k]
-            by_variable.setdefault(id(variable), []).append(
-                Materialized(variable, grad.astype(variable.dtype)))
-    trainable = list(model.trainable_variables)
-    forms = [combine(by_variable[id(v)]) if id(v) in by_variable else None for v in trainable]
-    return PerExampleResult(trainable, forms, losses, predictions)
+        add_rows(by_variable, [variables[k] for k in residual_index], residual_grads)
+    return assembled_result(model, by_variable, losses, predictions)
 
 
 # -- the generic rule ---------------------------------------------------------------------------
@@ -228,12 +220,6 @@ def _unit_weights(x, sample_weight):
     return jnp.ones([keras.tree.flatten(x)[0].shape[0]], keras.config.floatx())
 
 
-def _materialized(model, grads, losses, predictions) -> PerExampleResult:
-    variables = list(model.trainable_variables)
-    forms = [Materialized(v, ops.cast(g, v.dtype)) for v, g in zip(variables, grads, strict=True)]
-    return PerExampleResult(variables, forms, losses, predictions)
-
-
 def _per_example_map(mapper, model, loss_fn, x, y, sample_weight, training: bool):
     values = current_values(model.trainable_variables)
     frozen = current_values(model.non_trainable_variables)
@@ -246,7 +232,7 @@ def _per_example_map(mapper, model, loss_fn, x, y, sample_weight, training: bool
         return value_and_grad(values, xi, yi, wi)
 
     losses, grads = mapper(one, (x, y, w))
-    return _materialized(model, grads, losses, model(x, training=training))
+    return materialized_result(model, grads, losses, model(x, training=training))
 
 
 def run_vmap(model, loss_fn, x, y, sample_weight, training: bool) -> PerExampleResult:
@@ -284,7 +270,7 @@ def run_jacobian(model, loss_fn, x, y, sample_weight, training: bool) -> PerExam
 
     values = current_values(model.trainable_variables)
     grads, (losses, predictions, masks) = jax.jacrev(with_aux, has_aux=True)(values)
-    return _materialized(model, grads, losses, with_masks(predictions, masks))
+    return materialized_result(model, grads, losses, with_masks(predictions, masks))
 
 
 RUNNERS: dict[str, Any] = {"jacobian": run_jacobian, "vmap": run_vmap, "loop": run_loop}

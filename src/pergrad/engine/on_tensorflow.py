@@ -9,13 +9,18 @@ from typing import Any
 import tensorflow as tf
 
 from pergrad._compat import autocast_scope, call_takes_training
+from pergrad.engine.assemble import (
+    add_rows,
+    assembled_result,
+    forms_by_variable,
+    in_groups,
+    materialized_result,
+)
 from pergrad.engine.generic import draws_random, generic_forms, recorded_vjps
 from pergrad.engine.intercept import record_calls
 from pergrad.engine.losses import weighted_losses
 from pergrad.engine.plan import Plan
 from pergrad.engine.result import PerExampleResult
-from pergrad.rules import combine
-from pergrad.rules.forms import Materialized
 
 
 def _static_batch(x) -> int | None:
@@ -33,40 +38,23 @@ def run_auto(model, plan: Plan, loss_fn, x, y, sample_weight, training: bool,
         total = tf.reduce_sum(losses)
     records = [c for layer in plan.tapped_layers for c in calls.get(id(layer), [])]
     taps = [[t for t in tf.nest.flatten(r.tapped) if isinstance(t, tf.Tensor)] for r in records]
-    flat = [t for group in taps for t in group]
-    grads = tape.gradient(total, flat, unconnected_gradients=tf.UnconnectedGradients.ZERO)
-
-    by_variable: dict[int, list] = {}
-    rules = dict((id(layer), rule) for layer, rule in plan.ruled)
+    grads = tape.gradient(total, [t for group in taps for t in group],
+                          unconnected_gradients=tf.UnconnectedGradients.ZERO)
+    taps_of = {id(record): group for record, group in zip(records, taps, strict=True)}
     batch = _static_batch(x)
-    position = 0
-    for record, group in zip(records, taps, strict=True):
-        record_grads = grads[position:position + len(group)]
-        position += len(group)
-        rule = rules.get(id(record.layer))
-        if rule is not None:
-            forms = rule.fn(record.layer, record, record_grads[0])
-        elif id(record.layer) in replayed:
-            forms = recorded_vjps(tape, record.layer, group, record_grads)
-        else:
-            forms = generic_forms(record.layer, record, record_grads, batch, warned)
-        for form in forms:
-            by_variable.setdefault(id(form.variable), []).append(form)
+
+    def generic(call, call_grads):
+        if id(call.layer) in replayed:  # dropout: differentiate the pass that drew the mask
+            return recorded_vjps(tape, call.layer, taps_of[id(call)], call_grads)
+        return generic_forms(call.layer, call, call_grads, batch, warned)
+
+    grouped = in_groups(grads, [len(group) for group in taps])
+    by_variable = forms_by_variable(plan, zip(records, grouped, strict=True), generic)
     if plan.residual:
-        jacobians = tape.jacobian(losses, plan.residual,
-                                  unconnected_gradients=tf.UnconnectedGradients.ZERO)
-        for variable, jac in zip(plan.residual, jacobians, strict=True):
-            by_variable.setdefault(id(variable), []).append(Materialized(variable, jac))
-    del tape
-    variables = list(model.trainable_variables)
-    forms = [combine(by_variable[id(v)]) if id(v) in by_variable else None for v in variables]
-    return PerExampleResult(variables, forms, losses, predictions)
-
-
-def _materialized(model, grads, losses, predictions) -> PerExampleResult:
-    variables = list(model.trainable_variables)
-    forms = [Materialized(v, tf.cast(g, v.dtype)) for v, g in zip(variables, grads, strict=True)]
-    return PerExampleResult(variables, forms, losses, predictions)
+        add_rows(by_variable, plan.residual,
+                 tape.jacobian(losses, plan.residual,
+                               unconnected_gradients=tf.UnconnectedGradients.ZERO))
+    return assembled_result(model, by_variable, losses, predictions)
 
 
 def run_jacobian(model, loss_fn, x, y, sample_weight, training: bool) -> PerExampleResult:
@@ -76,7 +64,7 @@ def run_jacobian(model, loss_fn, x, y, sample_weight, training: bool) -> PerExam
         predictions = model(x, training=training)
         losses = weighted_losses(loss_fn(y, predictions), sample_weight)
     grads = tape.jacobian(losses, variables, unconnected_gradients=tf.UnconnectedGradients.ZERO)
-    return _materialized(model, grads, losses, predictions)
+    return materialized_result(model, grads, losses, predictions)
 
 
 def _one_example_fn(model, loss_fn, training: bool, values, frozen):
@@ -113,7 +101,7 @@ def run_vmap(model, loss_fn, x, y, sample_weight, training: bool) -> PerExampleR
                              autograph=False)
     losses, grads = vectorized(_example_elems(x, y, sample_weight))
     predictions = model(x, training=training)
-    return _materialized(model, grads, losses, predictions)
+    return materialized_result(model, grads, losses, predictions)
 
 
 def run_loop(model, loss_fn, x, y, sample_weight, training: bool) -> PerExampleResult:
@@ -126,7 +114,7 @@ def run_loop(model, loss_fn, x, y, sample_weight, training: bool) -> PerExampleR
     losses, grads = tf.map_fn(fn, _example_elems(x, y, sample_weight), fn_output_signature=signature,
                               parallel_iterations=1)
     predictions = model(x, training=training)
-    return _materialized(model, grads, losses, predictions)
+    return materialized_result(model, grads, losses, predictions)
 
 
 RUNNERS: dict[str, Any] = {"jacobian": run_jacobian, "vmap": run_vmap, "loop": run_loop}

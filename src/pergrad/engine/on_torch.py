@@ -33,13 +33,20 @@ import torch
 from keras import ops
 
 from pergrad._compat import autocast_scope, call_takes_training, torch_convolutions_in_vmap
+from pergrad.engine.assemble import (
+    add_rows,
+    assembled_result,
+    forms_by_variable,
+    in_groups,
+    materialized_result,
+)
 from pergrad.engine.functional import example_loss, one_example_call
 from pergrad.engine.intercept import record_calls
 from pergrad.engine.losses import weighted_losses
 from pergrad.engine.masks import map_keeping_masks, masks_of, with_masks
 from pergrad.engine.plan import Plan, draws_random
 from pergrad.engine.result import PerExampleResult
-from pergrad.rules import LayerCall, combine
+from pergrad.rules import LayerCall
 from pergrad.rules.forms import Materialized
 
 
@@ -100,28 +107,14 @@ def run_auto(model, plan: Plan, loss_fn, x, y, sample_weight, training: bool,
             if taps else []
         residual_grads = _per_example_jacobian(losses, residual) if residual else []
 
-    rules = {id(layer): rule for layer, rule in plan.ruled}
-    by_variable: dict[int, list] = {}
-    position = 0
-    for record in order:
-        count = len(_floating_leaves(record.tapped))
-        grads = tap_grads[position:position + count]
-        position += count
-        call = LayerCall(record.layer, _detached(record.args), _detached(record.kwargs), None,
-                         record.saved)
-        rule = rules.get(id(record.layer))
-        if rule is not None:
-            forms = rule.fn(record.layer, call, grads[0])
-        else:
-            forms = generic_forms(record.layer, call, grads, training, warned)
-        for form in forms:
-            by_variable.setdefault(id(form.variable), []).append(form)
-    for variable, grad in zip(plan.residual, residual_grads, strict=True):
-        by_variable.setdefault(id(variable), []).append(
-            Materialized(variable, grad.to(_torch_dtype(variable))))
-    trainable = list(model.trainable_variables)
-    forms = [combine(by_variable[id(v)]) if id(v) in by_variable else None for v in trainable]
-    return PerExampleResult(trainable, forms, losses.detach(), _detached_predictions(predictions))
+    counts = [len(_floating_leaves(record.tapped)) for record in order]
+    calls = [LayerCall(record.layer, _detached(record.args), _detached(record.kwargs), None,
+                       record.saved) for record in order]
+    by_variable = forms_by_variable(
+        plan, zip(calls, in_groups(tap_grads, counts), strict=True),
+        lambda call, grads: generic_forms(call.layer, call, grads, training, warned))
+    add_rows(by_variable, plan.residual, residual_grads)
+    return assembled_result(model, by_variable, losses.detach(), _detached_predictions(predictions))
 
 
 def _torch_dtype(variable) -> torch.dtype:
@@ -226,10 +219,7 @@ def _unit_weights(x, sample_weight):
 
 
 def _materialized(model, grads, losses, predictions) -> PerExampleResult:
-    variables = list(model.trainable_variables)
-    forms = [Materialized(v, g.to(_torch_dtype(v))) for v, g in zip(variables, grads,
-                                                                    strict=True)]
-    return PerExampleResult(variables, forms, losses.detach(), _detached_predictions(predictions))
+    return materialized_result(model, grads, losses.detach(), _detached_predictions(predictions))
 
 
 def _predictions(model, x, training: bool):
