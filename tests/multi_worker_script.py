@@ -1,11 +1,13 @@
 """One worker of the two-worker tests (tests/test_multi_worker.py); run as a script.
 
-    python multi_worker_script.py INDEX PORT0,PORT1 MODE OUT_DIR
+    python multi_worker_script.py INDEX PORT0,PORT1 MODE[,MODE...] OUT_DIR
 
-MODE ``train``: train every aggregator of ``AGGREGATORS`` with ``fit_distributed``; ``sequence``:
+The modes run one after another in the same two processes (one launch pays TensorFlow's start
+and the cluster's set-up once). MODE ``train``: train every aggregator of ``AGGREGATORS`` with ``fit_distributed``; ``sequence``:
 those of ``SEQUENCE`` one after another with Adam, sample weights and shuffled arrays;
 ``crash``: DP-SGD with checkpoints in ``OUT_DIR/ckpt`` (:func:`dp_run`), worker 1 killing itself
-in the middle of epoch 2; ``resume``: the same call again. Worker 0 writes its results as JSON to ``OUT_DIR/<MODE>.json``.
+in the middle of epoch 2 (so it comes last); ``resume``: the same call again. Worker 0 writes
+each mode's results as JSON to ``OUT_DIR/<MODE>.json`` as soon as the mode ends.
 """
 
 from __future__ import annotations
@@ -105,16 +107,27 @@ def weights(model) -> list:
 
 def main() -> None:
     global INDEX
-    INDEX, ports, mode, out_dir = int(sys.argv[1]), sys.argv[2].split(","), sys.argv[3], \
-        sys.argv[4]
+    INDEX, ports, modes, out_dir = int(sys.argv[1]), sys.argv[2].split(","), \
+        sys.argv[3].split(","), sys.argv[4]
     os.environ["TF_CONFIG"] = json.dumps({
         "cluster": {"worker": [f"127.0.0.1:{port}" for port in ports]},
         "task": {"type": "worker", "index": INDEX}})
-    run(mode, out_dir)
+    run(modes, out_dir)
 
 
-def run(mode: str, out_dir: str) -> None:
+def run(modes: list[str], out_dir: str) -> None:
     strategy = multi_worker_strategy(timeout_seconds=60)
+    for mode in modes:
+        out = run_mode(strategy, mode, out_dir)
+        if INDEX == 0:
+            with open(os.path.join(out_dir, f"{mode}.json"), "w") as handle:
+                json.dump(out, handle)
+    sys.stdout.flush()
+    os._exit(0)  # no teardown collectives with a peer that may be gone
+
+
+def run_mode(strategy, mode: str, out_dir: str) -> dict:
+    """One mode's results (see the module's docstring)."""
     x, y, w = data()
     out = {"replicas": strategy.num_replicas_in_sync}
     if mode == "train":
@@ -140,11 +153,7 @@ def run(mode: str, out_dir: str) -> None:
             out["dp_run"] = dp_run(strategy, os.path.join(out_dir, "ckpt"), mode == "crash")
         except WorkerFailureError as error:
             out["failure"] = str(error)
-    if INDEX == 0:
-        with open(os.path.join(out_dir, f"{mode}.json"), "w") as handle:
-            json.dump(out, handle)
-    sys.stdout.flush()
-    os._exit(0)  # no teardown collectives with a peer that may be gone
+    return out
 
 
 if __name__ == "__main__":

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import json
-
 import keras
 import numpy as np
 import pytest
@@ -19,9 +17,6 @@ pytestmark = pytest.mark.tensorflow_only(reason=(
     "tensors, with tf.int64 noise keys and custom functions written with tf ops; their math on "
     "every backend is tests/test_aggregate_backends.py"))
 # A test's own marker below says more than the module's.
-NOT_YET_HOST = pytest.mark.tensorflow_only(reason=(
-    "not yet run on JAX/PyTorch: backend-independent aggregator configs, serialization and "
-    "argument checks (no tensors); would need only this marker removed"))
 NOT_YET_EAGER = pytest.mark.tensorflow_only(reason=(
     "not yet run on JAX/PyTorch: eager aggregator and PerExampleResult calls, TensorFlow only in "
     "tf.constant inputs and .numpy() reads; would need keras.ops inputs and np.asarray"))
@@ -241,53 +236,6 @@ def test_scaled_view_unscales_every_quantity(float64, rng):
                     result.weighted_sum(tf.ones([B], tf.float64)), strict=True):
         assert_close(a, 0.25 * e.numpy())
     assert_close(view.gradients()[0], 0.25 * result.gradients()[0].numpy())
-
-
-@pytest.mark.parametrize("agg", [aggregate.mean(), aggregate.sum(), aggregate.clip_mean(2.0, True),
-                                 aggregate.dp_mean(1.0, 1.1, seed=3, expected_batch_size=64),
-                                 aggregate.normalized_mean(0.1), aggregate.median(),
-                                 aggregate.trimmed_mean(0.1)], ids=lambda a: a.name)
-@NOT_YET_HOST
-def test_serialize_round_trip(agg):
-    config = json.loads(json.dumps(aggregate.serialize(agg)))
-    again = aggregate.deserialize(config)
-    assert again.name == agg.name and again.config == agg.config
-    assert again.gathers == agg.gathers
-
-
-@NOT_YET_HOST
-def test_custom_serializes_a_registered_function():
-    @keras.saving.register_keras_serializable(package="pergrad_tests")
-    def first_example(grads, norms):
-        return [g[0] for g in grads]
-
-    again = aggregate.deserialize(json.loads(json.dumps(aggregate.serialize(
-        aggregate.custom(first_example)))))
-    assert again.config["fn"] is first_example
-
-
-@pytest.mark.parametrize("make, message", [
-    (lambda: aggregate.clip_mean(0.0), "l2_norm_clip must be a finite number > 0"),
-    (lambda: aggregate.clip_mean(-1), "l2_norm_clip"),
-    (lambda: aggregate.dp_mean(0, 1.0), "l2_norm_clip"),
-    (lambda: aggregate.dp_mean(1.0, -0.5), "noise_multiplier must be a finite number >= 0"),
-    (lambda: aggregate.dp_mean(1.0, float("nan")), "noise_multiplier"),
-    (lambda: aggregate.dp_mean(1.0, 1.0, expected_batch_size=0), "expected_batch_size"),
-    (lambda: aggregate.trimmed_mean(0.5), r"fraction must be in \[0, 0.5\)"),
-    (lambda: aggregate.trimmed_mean(-0.1), "fraction"),
-    (lambda: aggregate.normalized_mean(0.0), "gamma"),
-    (lambda: aggregate.deserialize({"name": "nope"}), "Unknown aggregator 'nope'"),
-])
-@NOT_YET_HOST
-def test_bad_arguments(make, message):
-    with pytest.raises(ValueError, match=message):
-        make()
-
-
-@NOT_YET_HOST
-def test_custom_needs_a_callable():
-    with pytest.raises(TypeError, match="callable"):
-        aggregate.custom(3)
 
 
 @NOT_YET_EAGER

@@ -47,9 +47,9 @@ pytestmark = pytest.mark.tensorflow_only(reason=(
     "the canary audit runs dp_mean's local() in a tf.function (reduce_retracing) and finalize() "
     "with tf.int64 noise keys, and projects with TensorFlow ops (tf.linalg.qr); on JAX the keys "
     "would have to be passed into a jax.jit step"))
-NOT_YET_HOST = pytest.mark.tensorflow_only(reason=(
-    "not yet run on JAX/PyTorch: backend-independent NumPy/SciPy checks of tests/audit.py's bound "
-    "(no Keras tensors); would need only this marker removed"))
+BOUND_CHECKS = pytest.mark.only_on("tensorflow", reason=(
+    "backend-independent NumPy/SciPy checks of tests/audit.py's bound: run once, beside the "
+    "audits that use it"))
 
 CLIP = 1.0
 SIGMA = 1.0
@@ -224,7 +224,7 @@ def exact_gaussian_epsilon(mu: float, delta: float) -> float:
 
 
 @pytest.mark.parametrize("epsilon", [0.5, 1.0, 3.0])
-@NOT_YET_HOST
+@BOUND_CHECKS
 def test_bound_on_randomized_response(epsilon):
     """Randomized response (report the true bit with probability e^eps / (1 + e^eps)) is exactly
     eps-DP: the bound approaches eps from below."""
@@ -235,7 +235,7 @@ def test_bound_on_randomized_response(epsilon):
     assert 0.9 * epsilon < result.epsilon < epsilon, result
 
 
-@NOT_YET_HOST
+@BOUND_CHECKS
 def test_bound_on_gaussian_mechanism():
     """The Gaussian mechanism with sensitivity/sigma = 1 has an exact epsilon(delta); a threshold
     audit of 200,000 trials per world reaches a good part of it (about 2/3) and never exceeds
@@ -248,7 +248,7 @@ def test_bound_on_gaussian_mechanism():
     assert all(0.5 * exact < b < exact for b in bounds), (bounds, exact)
 
 
-@NOT_YET_HOST
+@BOUND_CHECKS
 def test_bound_edge_cases():
     """Nothing to detect gives 0; perfect separation gives the most the trial count allows."""
     rng = np.random.default_rng(3)

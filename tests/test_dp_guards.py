@@ -242,9 +242,6 @@ def test_dropout_keeps_drawing_new_masks_under_dp(rng):
 
 # -- the monitor on a DP model ----------------------------------------------------------------------
 
-@pytest.mark.tensorflow_only(reason=(
-    "not yet run on JAX/PyTorch: a warning of PerExampleModel's constructor (no tensors); would "
-    "need only this marker removed"))
 def test_a_monitor_on_a_dp_model_warns_that_it_is_not_private():
     with pytest.warns(UserWarning, match="not differentially private"):
         PerExampleModel(_mlp(), aggregate.dp_mean(1.0, 1.0),
@@ -275,9 +272,6 @@ def test_zero_weight_rows_do_not_count_in_unweighted_metrics(rng):
 
 # -- bad aggregator arguments and empty batches -----------------------------------------------------
 
-@pytest.mark.tensorflow_only(reason=(
-    "not yet run on JAX/PyTorch: backend-independent aggregator argument checks (no tensors); "
-    "would need only this marker removed"))
 def test_numpy_scalars_are_accepted_and_non_integers_refused():
     assert aggregate.clip_mean(np.float32(1.0)).config["l2_norm_clip"] == 1.0
     agg = aggregate.dp_mean(np.float64(1.0), np.float32(1.1), seed=np.int64(3),

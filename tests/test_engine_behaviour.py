@@ -17,10 +17,6 @@ import pergrad.engine
 import pergrad.rules
 from pergrad.backend.lazy import tensorflow as tf  # on first use: TensorFlow may be absent
 
-NOT_YET_CHECKS = pytest.mark.tensorflow_only(reason=(
-    "not yet run on JAX/PyTorch: PerExample's argument and model checks, raised before any "
-    "numbers are compared (nothing TensorFlow-specific); would need only this marker removed"))
-
 L = keras.layers
 
 
@@ -29,7 +25,6 @@ def _oracle(case):
                           case.sample_weight)[0]
 
 
-@NOT_YET_CHECKS
 def test_batchnorm_in_training_mode_is_refused_by_name():
     inputs = keras.Input((4,))
     outputs = L.Dense(2)(L.BatchNormalization(name="bn_block")(L.Dense(3)(inputs)))
@@ -38,9 +33,6 @@ def test_batchnorm_in_training_mode_is_refused_by_name():
         pex.norms(np.ones((3, 4)), np.ones((3, 2)))
 
 
-@pytest.mark.tensorflow_only(reason=(
-    "not yet run on JAX/PyTorch: a frozen BatchNormalization in training mode against the loop "
-    "oracle (nothing TensorFlow-specific); would need only this marker removed"))
 def test_frozen_batchnorm_in_training_mode_is_fine(float64):
     inputs = keras.Input((4,))
     bn = L.BatchNormalization()
@@ -68,14 +60,12 @@ def test_scalar_loss_gets_an_explanation():
     ({"strategy": "fast"}, "strategy must be one of"),
     ({"memory_budget_bytes": 0}, "memory_budget_bytes must be positive"),
 ])
-@NOT_YET_CHECKS
 def test_bad_constructor_arguments(kwargs, match):
     model = keras.Sequential([keras.Input((3,)), L.Dense(2)])
     with pytest.raises(ValueError, match=match):
         pergrad.PerExample(model, "mse", **kwargs)
 
 
-@NOT_YET_CHECKS
 def test_bad_method_arguments():
     model = keras.Sequential([keras.Input((3,)), L.Dense(2)])
     pex = pergrad.PerExample(model, "mse")
@@ -353,7 +343,6 @@ def test_generic_layer_with_dropout_uses_the_forward_pass_mask():
     assert_close(losses, np.sum(grads.numpy() * layer.w.numpy(), axis=1), rtol=1e-5)
 
 
-@NOT_YET_CHECKS
 def test_batchnorm_without_weights_is_still_refused_in_training_mode():
     inputs = keras.Input((4,))
     outputs = L.Dense(2)(L.BatchNormalization(center=False, scale=False, name="bare_bn")(
@@ -363,7 +352,6 @@ def test_batchnorm_without_weights_is_still_refused_in_training_mode():
         pex.norms(np.ones((3, 4)), np.ones((3, 2)))
 
 
-@NOT_YET_CHECKS
 def test_per_timestep_sample_weights_are_refused():
     model = keras.Sequential([keras.Input((4, 3)), L.Dense(2)])
     pex = pergrad.PerExample(model, "mse")
@@ -371,9 +359,6 @@ def test_per_timestep_sample_weights_are_refused():
         pex.norms(np.ones((5, 4, 3)), np.ones((5, 4, 2)), sample_weight=np.ones((5, 4)))
 
 
-@pytest.mark.tensorflow_only(reason=(
-    "not yet run on JAX/PyTorch: an EinsumDense on the generic rule against the loop oracle "
-    "(nothing TensorFlow-specific); would need only this marker removed"))
 def test_einsum_equation_without_a_factored_form_takes_the_generic_rule(float64):
     inputs = keras.Input((4, 6))
     h = L.EinsumDense("abc,cd->ad", output_shape=(5,))(inputs)  # b is summed over, x only
@@ -493,9 +478,6 @@ def test_check_refuses_a_layer_that_mixes_examples(float64):
         pergrad.PerExample(model, "mse").check(x, y)
 
 
-@pytest.mark.tensorflow_only(reason=(
-    "not yet run on JAX/PyTorch: check() refusing a mixing loss (nothing TensorFlow-specific); "
-    "would need only this marker removed"))
 def test_check_refuses_a_loss_that_mixes_examples(float64):
     model = keras.Sequential([keras.Input((4,)), L.Dense(2)])
     rng = np.random.default_rng(9)
@@ -508,19 +490,17 @@ def test_check_refuses_a_loss_that_mixes_examples(float64):
 
 def _independent_mixing(model, loss_fn, x, y, count: int) -> float:
     """The mixing formula by eager calls, one example alone at a time."""
-    in_batch = np.asarray(loss_fn(y, model(x, training=False)), np.float64)
+    in_batch = keras.ops.convert_to_numpy(loss_fn(y, model(x, training=False))).astype(np.float64)
     floor = np.mean(np.abs(in_batch))
     worst = 0.0
     for k in range(count):
-        alone = float(np.asarray(loss_fn(y[k:k + 1], model(x[k:k + 1], training=False)))[0])
+        alone = float(keras.ops.convert_to_numpy(
+            loss_fn(y[k:k + 1], model(x[k:k + 1], training=False)))[0])
         scale = max(abs(in_batch[k]), abs(alone), floor)
         worst = max(worst, abs(in_batch[k] - alone) / scale)
     return worst
 
 
-@pytest.mark.tensorflow_only(reason=(
-    "not yet run on JAX/PyTorch: example_mixing() against an eager computation (nothing "
-    "TensorFlow-specific); would need only this marker removed"))
 def test_example_mixing_matches_an_independent_computation(float64):
     model = _centering_model()
     rng = np.random.default_rng(10)
@@ -749,7 +729,6 @@ def test_numeric_arguments_accept_numpy_scalars(float64):
     (lambda m: pergrad.PerExample(m, "mse").example_mixing(_X, _Y, num_examples=True),
      "num_examples must be a number, got the bool"),
 ])
-@NOT_YET_CHECKS
 def test_numeric_arguments_refuse_bools_and_non_finite_values(call, match):
     model = keras.Sequential([keras.Input((3,)), L.Dense(2)])
     with pytest.raises(ValueError, match=match):

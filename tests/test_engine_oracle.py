@@ -218,9 +218,6 @@ def test_mean_drops_a_nan_example_through_its_rebuilt_fallback(name, float64):
         assert_close(u, want, atol=1e-6 * max(np.max(np.abs(want)), 1e-12))
 
 
-@pytest.mark.tensorflow_only(reason=(
-    "not yet run on JAX/PyTorch: a shape check of dots_many (nothing TensorFlow-specific); would "
-    "need only this marker removed"))
 def test_dots_many_checks_each_vector_shape(float64):
     case = zoo.ALL["mlp"]()
     pex = pergrad.PerExample(case.model, case.loss)

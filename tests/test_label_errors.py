@@ -250,9 +250,6 @@ def test_detection_benchmark_row_finds_flips_and_runs_cleanlab():
     assert table.count("\n") == 2 and "cleanlab" in table.splitlines()[0]
 
 
-@pytest.mark.tensorflow_only(reason=(
-    "not yet run on JAX/PyTorch: backend-independent NumPy scores (no tensors); would need only "
-    "this marker removed"))
 def test_add_out_of_sample_adds_confidence_and_keeps_the_default():
     from pergrad.analysis import add_out_of_sample
 

@@ -5,6 +5,7 @@ middle of an epoch is reported, and a restart resumes to exactly the uninterrupt
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import subprocess
@@ -28,15 +29,50 @@ pytestmark = pytest.mark.tensorflow_only(reason=(
     "tf.distribute.MultiWorkerMirroredStrategy (fit_distributed, TensorFlow only) over two worker "
     "processes, and fit_distributed's checks of its tf.data inputs"))
 
-TIMEOUT = 150  # seconds for one launch of both workers
+TIMEOUT = 150  # seconds per mode for one launch of both workers
+FIRST_MODES = ("train", "sequence", "crash")  # crash last: worker 1 leaves in it
 
 
-def _launch(mode: str, out: Path) -> list[subprocess.CompletedProcess]:
-    """Both workers of ``mode``; each is stopped by its own process id when time runs out."""
+def _launch(modes: tuple[str, ...], out: Path) -> list[subprocess.CompletedProcess]:
+    """Both workers, running ``modes`` one after another; each worker is stopped by its own
+    process id when time runs out."""
     ports = ",".join(map(str, free_ports(2)))
     env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", CUDA_VISIBLE_DEVICES="")
     return run_bounded([[sys.executable, str(HERE / "multi_worker_script.py"), str(i), ports,
-                         mode, str(out)] for i in range(2)], TIMEOUT, env)
+                         ",".join(modes), str(out)] for i in range(2)],
+                       TIMEOUT * len(modes), env)
+
+
+@pytest.fixture(scope="module")
+def first_launch(tmp_path_factory) -> tuple[Path, list[subprocess.CompletedProcess]]:
+    """One launch of both workers for ``train``, ``sequence`` and ``crash``, shared by the
+    tests that read it: its folder and the two processes' results.
+
+    Under pytest-xdist the test session's workers share one launch: the first to ask starts it
+    under a file lock in the run's common temporary folder, the others wait for it and read
+    what it left (``--dist=loadgroup`` would do this, but pytest 9.2 broke its grouping:
+    pytest-dev/pytest-xdist#1386)."""
+    base = tmp_path_factory.getbasetemp()
+    shared = base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
+    out, record = shared / "multi_worker", shared / "multi_worker_launch.json"
+    with open(shared / "multi_worker.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
+        if not record.exists():
+            out.mkdir()
+            done = _launch(FIRST_MODES, out)
+            record.write_text(json.dumps([[p.returncode, p.stderr[-3000:]] for p in done]))
+    done = [subprocess.CompletedProcess([], code, "", stderr)
+            for code, stderr in json.loads(record.read_text())]
+    return out, done
+
+
+def _results(launch, mode: str) -> dict:
+    """Worker 0's results for ``mode``, or the workers' errors if it wrote none."""
+    out, done = launch
+    path = out / f"{mode}.json"
+    assert path.exists(), "\n".join(f"worker {i} exit {p.returncode}: {p.stderr[-3000:]}"
+                                     for i, p in enumerate(done))
+    return json.loads(path.read_text())
 
 
 def _single_process(aggregator, epochs: int = 1, **fit) -> list[np.ndarray]:
@@ -47,13 +83,10 @@ def _single_process(aggregator, epochs: int = 1, **fit) -> list[np.ndarray]:
     return model.model.get_weights()
 
 
-def test_two_workers_equal_one_process_and_add_noise_once(tmp_path):
+def test_two_workers_equal_one_process_and_add_noise_once(first_launch):
     """mean, clip_mean, dp_mean and median: the weights after one epoch (3 global steps of 16,
     8 examples per worker) equal one process's; the DP noise has std ``C sigma / B`` per step."""
-    done = _launch("train", tmp_path)
-    for proc in done:
-        assert proc.returncode == 0, proc.stderr[-3000:]
-    trained = json.loads((tmp_path / "train.json").read_text())
+    trained = _results(first_launch, "train")
     assert trained["replicas"] == 2
     assert "fit_distributed" in trained["fit_refused"]  # Keras's fit cannot; says what can
     for name in ("mean", "clip_mean", "dp_mean", "median"):
@@ -70,17 +103,14 @@ def test_two_workers_equal_one_process_and_add_noise_once(tmp_path):
     assert abs(np.std(noisy - plain) / expected_std - 1) < 0.2, np.std(noisy - plain)
 
 
-def test_models_trained_one_after_another_with_adam_equal_one_process(tmp_path):
+def test_models_trained_one_after_another_with_adam_equal_one_process(first_launch):
     """clip_mean, dp_mean(expected_batch_size=10) and trimmed_mean trained one after another in
     the same two processes, with Adam (slots made before the step is traced), sample weights and
     shuffled arrays: each ends at one process's weights. Before ``fit_distributed`` built every
     variable first, the second worker's step failed on a placeholder of a lifted initializer."""
     import tensorflow as tf
 
-    done = _launch("sequence", tmp_path)
-    for proc in done:
-        assert proc.returncode == 0, proc.stderr[-3000:]
-    trained = json.loads((tmp_path / "sequence.json").read_text())
+    trained = _results(first_launch, "sequence")
     x, y, w = script.data()
     for name, make in script.SEQUENCE.items():
         model = script.compiled(make(), optimizer="adam")
@@ -90,17 +120,17 @@ def test_models_trained_one_after_another_with_adam_equal_one_process(tmp_path):
             np.testing.assert_allclose(np.asarray(got), want, rtol=1e-5, atol=1e-5, err_msg=name)
 
 
-def test_a_lost_worker_is_reported_and_a_restart_resumes_exactly(tmp_path):
-    crashed = _launch("crash", tmp_path)
+def test_a_lost_worker_is_reported_and_a_restart_resumes_exactly(first_launch, tmp_path):
+    out, crashed = first_launch
+    first = _results(first_launch, "crash")
     assert crashed[1].returncode == 3  # worker 1 left in the middle of epoch 2
     assert crashed[0].returncode == 0, crashed[0].stderr[-3000:]
-    first = json.loads((tmp_path / "crash.json").read_text())
     assert "A worker stopped responding" in first["failure"]
     assert "(epoch 1, step 2)" in first["failure"]  # saved just before worker 1 left
-    resumed = _launch("resume", tmp_path)
+    resumed = _launch(("resume",), out)
     for proc in resumed:
         assert proc.returncode == 0, proc.stderr[-3000:]
-    after = json.loads((tmp_path / "resume.json").read_text())["dp_run"]
+    after = json.loads((out / "resume.json").read_text())["dp_run"]
     # The uninterrupted run, on one process with the same global batches and noise keys.
     reference = script.dp_run_on_one_process(str(tmp_path / "one"))
     for got, want in zip(after["weights"], reference["weights"], strict=True):

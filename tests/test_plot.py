@@ -13,7 +13,7 @@ from test_monitor import SCCE, MeanStep
 from pergrad.keras.monitor import GradientMonitor
 from pergrad.plot import conflicting_examples, load_history, training_report
 
-pytestmark = pytest.mark.tensorflow_only(reason=(
+TRAINED = pytest.mark.tensorflow_only(reason=(
     "the trained fixture fits test_monitor.MeanStep, a hand-written TensorFlow train_step "
     "(tf.cast and tf.fill on the step's tensors)"))
 
@@ -47,6 +47,7 @@ def trained(tmp_path_factory):
     return monitor, csv_path, images, labels
 
 
+@TRAINED
 def test_training_report_from_csv_and_monitor(trained, tmp_path):
     monitor, csv_path, _, _ = trained
     from_csv = load_history(csv_path)
@@ -66,6 +67,7 @@ def test_training_report_from_csv_and_monitor(trained, tmp_path):
     assert isinstance(training_report(monitor), Figure)  # no path: nothing written
 
 
+@TRAINED
 def test_conflicting_examples_grid(trained, tmp_path):
     monitor, _, images, labels = trained
     png = tmp_path / "conflicting.png"
@@ -78,6 +80,7 @@ def test_conflicting_examples_grid(trained, tmp_path):
     assert width > 200 and height > 200
 
 
+@TRAINED
 def test_conflicting_examples_marks_the_injected_flips(trained):
     monitor, _, images, labels = trained
     clean = labels.copy()
@@ -95,9 +98,6 @@ def test_conflicting_examples_marks_the_injected_flips(trained):
     assert figure.get_suptitle().endswith("2 of 32)")
 
 
-@pytest.mark.tensorflow_only(reason=(
-    "not yet run on JAX/PyTorch: backend-independent NumPy smoothing; would need only "
-    "this marker removed"))
 def test_smooth_is_a_moving_average_ignoring_gaps():
     from pergrad.plot.report import smooth
     values = np.array([1.0, 2.0, np.nan, 4.0, 5.0])
@@ -105,6 +105,7 @@ def test_smooth_is_a_moving_average_ignoring_gaps():
     np.testing.assert_allclose(smooth(values, 1)[[0, 1, 3, 4]], [1, 2, 4, 5])
 
 
+@TRAINED
 def test_errors(trained):
     with pytest.raises(TypeError, match="CSV path"):
         training_report(42)

@@ -28,11 +28,6 @@ from pergrad.privacy.accounting import MAX_STEPS_SEARCHED, _quiet_accountant
 from pergrad.privacy.sampling import default_max_batch_size
 
 tf = pytest.importorskip("tensorflow", reason="needs tensorflow (pip install pergrad[tensorflow])")
-pytestmark = pytest.mark.tensorflow_only(reason=(
-    "not yet run on JAX/PyTorch: backend-independent accounting, calibration, CLI and argument "
-    "checks (dp_accounting, SciPy, argparse on the host, no Keras tensors); would need only this "
-    "marker removed"))
-# A test's own marker below says more than the module's.
 TF_DATA = pytest.mark.tensorflow_only(reason=(
     "poisson_batches builds a tf.data pipeline (TensorFlow whatever the Keras backend), checked "
     "here through its element specs, cardinality, tf.errors or a tf.function"))
