@@ -1,13 +1,29 @@
 import importlib.util
 import os
+import shutil
+import tempfile
+import uuid
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+
+def _jax_cache_dir(run_id: str) -> str:
+    return os.path.join(tempfile.gettempdir(), f"pergrad-tests-jax-cache-{run_id}")
+
 
 if os.environ.get("KERAS_BACKEND") == "jax":
     # The float64 oracle comparisons need float64 arrays, which JAX gives only with x64 on.
     import jax
 
     jax.config.update("jax_enable_x64", True)
+    # Many tests compile the same programs (a zoo model's engine, the oracle's loop): JAX's
+    # persistent compilation cache, in a folder of this run's own (pytest-xdist's run id, set by
+    # pytest_configure below; this process's id without xdist) that both workers share and
+    # the run removes at its end, compiles each once.
+    jax.config.update("jax_compilation_cache_dir", _jax_cache_dir(
+        os.environ.get("PYTEST_XDIST_TESTRUNUID", f"pid{os.getpid()}")))
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
 
 import keras  # noqa: E402
 import numpy as np  # noqa: E402
@@ -40,6 +56,15 @@ HAVE_TENSORFLOW = importlib.util.find_spec("tensorflow") is not None
 
 
 def pytest_configure(config):
+    if getattr(config.option, "numprocesses", None) and not hasattr(config, "workerinput") \
+            and getattr(config.option, "testrunuid", "") is None:
+        # The run id pytest-xdist hands its workers (PYTEST_XDIST_TESTRUNUID): chosen here so
+        # that pytest_unconfigure knows which JAX cache folder to remove.
+        config.option.testrunuid = uuid.uuid4().hex
+    # One worker may read a cache entry while the other is still writing it: JAX then warns
+    # and compiles the program itself, the same result.
+    config.addinivalue_line(
+        "filterwarnings", "ignore:Error reading persistent compilation cache entry:UserWarning")
     config.addinivalue_line(
         "markers", "tensorflow_only(reason): runs on TensorFlow only, deselected on JAX and "
                    "PyTorch; reason (required, non-empty) says what TensorFlow-only thing it "
@@ -53,6 +78,13 @@ def pytest_configure(config):
         "markers", "needs_tensorflow: a test run on every backend that uses TensorFlow itself "
                    "(tf.data, TensorBoard's event files): skipped where TensorFlow is not "
                    "installed")
+
+
+def pytest_unconfigure(config):
+    if hasattr(config, "workerinput"):
+        return  # the controller (or the only process) removes the run's JAX cache folder
+    run_id = getattr(config.option, "testrunuid", None) or f"pid{os.getpid()}"
+    shutil.rmtree(_jax_cache_dir(run_id), ignore_errors=True)
 
 
 _BAD_MARKER = pytest.StashKey[str]()
