@@ -5,6 +5,7 @@ measurements")."""
 from __future__ import annotations
 
 import contextlib
+import math
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -28,8 +29,9 @@ def segment_sum(values: Any, segments: Any, num_segments: Any) -> Any:
 
 
 def row_squared_norms(t: Any) -> Any:
-    """``(B,)``: XLA fuses the squares into the sum."""
-    return ops.sum(ops.square(ops.reshape(t, [t.shape[0], -1])), axis=1)
+    """``(B,)``: XLA fuses the squares into the sum. (The row length is spelled out: a
+    ``[B, -1]`` reshape of an empty batch is ambiguous, and JAX refuses it.)"""
+    return ops.sum(ops.square(ops.reshape(t, [t.shape[0], math.prod(t.shape[1:])])), axis=1)
 
 
 def vjp(fn: Callable[[Any], Any], primal: Any, cotangent: Any) -> Any:

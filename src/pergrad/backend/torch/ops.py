@@ -5,6 +5,7 @@ read."""
 from __future__ import annotations
 
 import contextlib
+import math
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -31,8 +32,9 @@ def segment_sum(values: Any, segments: Any, num_segments: Any) -> Any:
 
 
 def row_squared_norms(t: Any) -> Any:
-    """``(B,)``: one native call instead of three dispatched ``keras.ops``."""
-    flat = t.reshape(t.shape[0], -1)
+    """``(B,)``: one native call instead of three dispatched ``keras.ops``. (The row length is
+    spelled out: a ``(B, -1)`` reshape of an empty batch is ambiguous, and torch refuses it.)"""
+    flat = t.reshape(t.shape[0], math.prod(t.shape[1:]))
     return (flat * flat).sum(dim=1)
 
 
