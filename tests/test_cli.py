@@ -1,12 +1,13 @@
 """The command line end to end, in subprocesses, with tiny settings.
 
 The in-process ``pergrad analyze`` tests run on every backend; the subprocess tests are marked
-``tensorflow_only`` and run once, in the TensorFlow run, some of their children on JAX or
-PyTorch."""
+to run once: from the TensorFlow run, except those whose children run JAX (``JAX_CHILD``), from
+the PyTorch run, the shortest suite."""
 
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import io
 import json
 import os
@@ -17,6 +18,13 @@ import numpy as np
 import pytest
 
 from pergrad.demo import detection_scores, flip_labels
+
+# A test whose children run JAX whatever this run's backend: once, from the PyTorch run.
+JAX_CHILD = pytest.mark.only_on("torch", reason=(
+    "subprocess test: its KERAS_BACKEND=jax children are launched once, from the PyTorch run "
+    "(the shortest suite; the parent's backend plays no part)"))
+NEEDS_JAX = pytest.mark.skipif(importlib.util.find_spec("jax") is None,
+                               reason="needs jax (pip install pergrad[jax])")
 
 
 def pergrad(*args: str, cwd=None, timeout: int = 300) -> subprocess.CompletedProcess:
@@ -61,12 +69,11 @@ def test_analyze_writes_the_report_and_finds_flipped_labels(tmp_path):
     assert "epoch" in done.stdout and "ROC AUC" in done.stdout
 
 
-@pytest.mark.tensorflow_only(reason=(
-    "subprocess test: launches its KERAS_BACKEND=jax `pergrad analyze` child once, from the "
-    "TensorFlow run"))
+@JAX_CHILD
+@NEEDS_JAX
 def test_analyze_on_the_jax_backend(tmp_path):
     """``KERAS_BACKEND=jax pergrad analyze``: the monitor, the label-error scores and TracIn on
-    JAX (its own process, whatever backend this one runs: once, in the TensorFlow run)."""
+    JAX (its own process, whatever backend this one runs: once, in the PyTorch run)."""
     out = tmp_path / "report"
     env = dict(os.environ, KERAS_BACKEND="jax", TF_CPP_MIN_LOG_LEVEL="2", MPLBACKEND="Agg")
     done = subprocess.run([sys.executable, "-m", "pergrad", "analyze", "--epochs", "2",
@@ -151,12 +158,11 @@ def test_bench_quick_runs_and_writes_json(tmp_path):
     assert "| mlp | 16 |" in done.stdout
 
 
-@pytest.mark.tensorflow_only(reason=(
-    "subprocess test: launches its `pergrad bench --backend jax` children once, from the "
-    "TensorFlow run"))
+@JAX_CHILD
+@NEEDS_JAX
 def test_bench_on_the_jax_backend(tmp_path):
     """``pergrad bench --backend jax``: the JAX engine suite, DP step included, from the CLI
-    (its own process, whatever backend this one runs: once, in the TensorFlow run)."""
+    (its own process, whatever backend this one runs: once, in the PyTorch run)."""
     path = tmp_path / "jax.json"
     env = {k: v for k, v in os.environ.items() if k != "KERAS_BACKEND"}
     done = subprocess.run([sys.executable, "-m", "pergrad", "bench", "--backend", "jax",

@@ -2,11 +2,12 @@
 ``keras.distribution.DataParallel`` on two host devices
 (``XLA_FLAGS=--xla_force_host_platform_device_count=2`` must be set before JAX initializes), and
 DP noise refused without ``jax_enable_x64``. The children always run JAX, so these tests run
-once, in the TensorFlow run of the suite.
+once, in the PyTorch run of the suite.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import subprocess
@@ -15,9 +16,14 @@ import textwrap
 
 import pytest
 
-pytestmark = pytest.mark.tensorflow_only(reason=(
-    "subprocess test: its KERAS_BACKEND=jax children (XLA_FLAGS for two host devices, "
-    "jax_enable_x64 on or off) are launched once, from the TensorFlow run"))
+pytestmark = [
+    pytest.mark.only_on("torch", reason=(
+        "subprocess test: its KERAS_BACKEND=jax children (XLA_FLAGS for two host devices, "
+        "jax_enable_x64 on or off) are launched once, from the PyTorch run (the shortest suite; "
+        "the parent's backend plays no part)")),
+    pytest.mark.skipif(importlib.util.find_spec("jax") is None,
+                       reason="needs jax (pip install pergrad[jax])"),
+]
 
 SCRIPT = textwrap.dedent(r"""
     import json

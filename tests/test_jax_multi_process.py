@@ -5,12 +5,13 @@ Each process feeds its own half of every global batch (``auto_shard_dataset = Fa
 global batch is process 0's rows, then process 1's, so one process training on the whole batch
 in that order must reach the same weights. The ``tf.data`` route (every process passes the same
 dataset of global batches and Keras splits it, ``auto_shard_dataset = True``) must too. Both processes run in bounded time and are stopped
-by their own process ids. The children always run JAX: this test runs once, in the TensorFlow
+by their own process ids. The children always run JAX: these tests run once, in the PyTorch
 run of the suite.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import select
@@ -29,9 +30,14 @@ from pergrad.bench.multi_worker import free_ports
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from processes import run_bounded  # noqa: E402
 
-pytestmark = pytest.mark.tensorflow_only(reason=(
-    "subprocess test: its two JAX processes (keras.distribution.initialize, gloo collectives, a "
-    "tf.data route) are launched once, from the TensorFlow run"))
+pytestmark = [
+    pytest.mark.only_on("torch", reason=(
+        "subprocess test: its two JAX processes (keras.distribution.initialize, gloo "
+        "collectives, a tf.data route) are launched once, from the PyTorch run (the shortest suite; "
+        "the parent's backend plays no part)")),
+    pytest.mark.skipif(importlib.util.find_spec("jax") is None,
+                       reason="needs jax (pip install pergrad[jax])"),
+]
 
 TIMEOUT = 150.0
 _ENV = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3")
@@ -122,6 +128,7 @@ def _max_diff(a, b) -> float:
                for p, q in zip(a, b, strict=True))
 
 
+@pytest.mark.needs_tensorflow  # the children's tf.data route
 def test_two_processes_equal_one_process(tmp_path):
     script = tmp_path / "worker.py"
     script.write_text(WORKER)
