@@ -210,3 +210,21 @@ def test_example_mixing_check_runs_in_full_float32():
         assert _tensor_float_32_flags() == (True, True)
     finally:
         torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32 = saved
+
+
+def test_maximum_and_minimum_keep_float64_and_nan():
+    """``backend.ops.maximum``/``minimum``: the float64 result ``ops.maximum`` should give
+    (Keras 3.15's PyTorch ``maximum`` rounds two float64 tensors to float32), NaN where either
+    side is NaN, a Python scalar taken in the tensor's dtype."""
+    from pergrad.backend.ops import maximum, minimum
+
+    a = np.array([1.0 + 1e-12, np.nan, -2.0, 3.0, np.inf])
+    b = np.array([1.0, 0.5, np.nan, 4.0, 1.0])
+    for ours, theirs in ((maximum, np.maximum), (minimum, np.minimum)):
+        got = ours(keras.ops.convert_to_tensor(a, "float64"),
+                   keras.ops.convert_to_tensor(b, "float64"))
+        assert keras.backend.standardize_dtype(got.dtype) == "float64"
+        np.testing.assert_array_equal(keras.ops.convert_to_numpy(got), theirs(a, b))
+        scalar = ours(keras.ops.convert_to_tensor(a, "float64"), 1.0)
+        assert keras.backend.standardize_dtype(scalar.dtype) == "float64"
+        np.testing.assert_array_equal(keras.ops.convert_to_numpy(scalar), theirs(a, 1.0))

@@ -1,7 +1,9 @@
 """Conv1DTranspose / Conv2DTranspose / Conv3DTranspose rules against the float64 loop oracle.
 
-Only ``channels_last``: TensorFlow on CPU has no ``channels_first`` kernel for the transposed
-convolutions (``Conv2DBackpropInput`` / ``Conv3DBackpropInputV2``), so plain Keras cannot run them.
+On every backend ``channels_last`` without dilation; ``channels_first`` and ``dilation_rate > 1``
+on JAX and PyTorch only: TensorFlow on CPU has no ``channels_first`` kernel for the transposed
+convolutions (``Conv2DBackpropInput`` / ``Conv3DBackpropInputV2``) and its kernels reject
+dilation, so plain Keras cannot run them there.
 """
 
 from __future__ import annotations
@@ -15,14 +17,9 @@ import pytest
 from oracle import assert_close
 from rule_check import assert_rule_matches_oracle
 
+from pergrad.backend.lazy import tensorflow as tf  # on first use: TensorFlow may be absent
 from pergrad.rules import LayerCall
 from pergrad.rules.conv_transpose import conv_transpose_rule
-
-tf = pytest.importorskip("tensorflow", reason="needs tensorflow (pip install pergrad[tensorflow])")
-pytestmark = pytest.mark.tensorflow_only(reason=(
-    "not yet run on JAX/PyTorch: the rule against the loop oracle through tests/rule_check.py, as "
-    "the all-backend tests/test_rules_conv.py does; would need a run on each backend (and could "
-    "add channels_first, which TensorFlow on CPU cannot run)"))
 
 L = keras.layers
 B = 4
@@ -35,8 +32,9 @@ LAYERS = {
 }
 
 # (strides, padding, output_padding, dilation_rate): output_padding must be < strides and Keras
-# forbids dilation with strides. Dilation is checked apart (test_dilated_rule_...): TensorFlow's
-# CPU transposed-convolution kernels reject dilation_rate > 1, so no model with it runs here.
+# forbids dilation with strides. Dilation is checked apart: through a model on JAX and PyTorch
+# (test_conv_transpose_rule_channels_first_and_dilated), against a zero-dilated kernel on
+# TensorFlow (test_dilated_rule_...), whose CPU transposed-convolution kernels reject it.
 GEOMETRIES = [
     (1, "valid", None, 1),
     (1, "same", None, 1),
@@ -48,18 +46,20 @@ GEOMETRIES = [
 
 
 def _case(dims: int, strides, padding: str, output_padding, dilation, use_bias: bool = True,
-          channels: int = 2, filters: int = 3):
+          channels: int = 2, filters: int = 3, data_format: str = "channels_last"):
     cls, size, kernel = LAYERS[dims]
-    inputs = keras.Input((*size, channels))
+    shape = (*size, channels) if data_format == "channels_last" else (channels, *size)
+    inputs = keras.Input(shape)
     layer = cls(filters, kernel, strides=strides, padding=padding, output_padding=output_padding,
-                dilation_rate=dilation, use_bias=use_bias, activation="relu")
+                dilation_rate=dilation, use_bias=use_bias, activation="relu",
+                data_format=data_format)
     h = layer(inputs)
     outputs = L.Dense(3)(L.Flatten()(h))
     model = keras.Model(inputs, outputs)
     rng = np.random.default_rng(dims)
     if use_bias:  # a nonzero bias, so its gradient is not hidden behind relu's dead zone
         layer.bias.assign(rng.normal(size=layer.bias.shape) * 0.1)
-    x = rng.normal(size=(B, *size, channels))
+    x = rng.normal(size=(B, *shape))
     y = rng.integers(0, 3, size=B)
     return model, layer, conv_transpose_rule, x, y
 
@@ -74,6 +74,21 @@ def test_conv_transpose_rule_matches_loop_oracle(dims, strides, padding, output_
 @pytest.mark.parametrize("dims", [1, 2, 3])
 def test_conv_transpose_rule_without_bias(dims, float64):
     assert_rule_matches_oracle(*_case(dims, 2, "same", 1, 1, use_bias=False))
+
+
+@pytest.mark.parametrize("dims", [1, 2, 3])
+@pytest.mark.parametrize(("data_format", "strides", "padding", "output_padding", "dilation"), [
+    ("channels_first", 2, "same", 1, 1),
+    ("channels_first", 1, "same", None, 2),
+    ("channels_last", 1, "valid", None, 2),
+])
+@pytest.mark.only_on("jax", "torch", reason=(
+    "TensorFlow's CPU transposed-convolution kernels have no channels_first form and reject "
+    "dilation_rate > 1, so plain Keras (the oracle) cannot run these layers there"))
+def test_conv_transpose_rule_channels_first_and_dilated(dims, data_format, strides, padding,
+                                                        output_padding, dilation, float64):
+    assert_rule_matches_oracle(*_case(dims, strides, padding, output_padding, dilation,
+                                      data_format=data_format))
 
 
 def test_conv_transpose_stride_larger_than_kernel(float64):

@@ -59,6 +59,23 @@ def is_floating(dtype: Any) -> bool:
     return keras.backend.is_float_dtype(keras.backend.standardize_dtype(dtype))
 
 
+def maximum(a: Any, b: Any) -> Any:
+    """``max(a, b)`` elementwise, in the floating ``a``'s dtype, NaN where either is NaN (as
+    ``ops.maximum``, whose PyTorch version in Keras 3.15 computes two float64 tensors in
+    float32: its ``result_type`` does not read torch dtypes)."""
+    a = ops.convert_to_tensor(a)
+    b = ops.cast(b, a.dtype)
+    return ops.where(ops.logical_or(ops.isnan(a), a >= b), a, b)
+
+
+def minimum(a: Any, b: Any) -> Any:
+    """``min(a, b)`` elementwise, in the floating ``a``'s dtype, NaN where either is NaN
+    (see :func:`maximum`)."""
+    a = ops.convert_to_tensor(a)
+    b = ops.cast(b, a.dtype)
+    return ops.where(ops.logical_or(ops.isnan(a), a <= b), a, b)
+
+
 def divide_no_nan(numerator: Any, denominator: Any) -> Any:
     """``numerator / denominator``, 0 where the denominator is 0 (``tf.math.divide_no_nan``)."""
     zero = ops.equal(denominator, 0)

@@ -83,6 +83,16 @@ class Backend(Protocol):
         """``(B, C, M, K)``: the same as one forward depthwise convolution of the padded input
         with the output gradient as its filter."""
 
+    # --- random state outside Keras's seed generators --------------------------------------
+    def generator_state(self) -> Any:
+        """The state of the random generators a layer may draw from besides its Keras seed
+        state (PyTorch's own, which Keras's unseeded dropout draws from), or ``None`` where a
+        layer's non-trainable values hold all of it."""
+
+    def replaying_generators(self, state: Any) -> contextlib.AbstractContextManager:
+        """A block that draws from the generators as they were in ``state`` (one of
+        :meth:`generator_state`), leaving them afterwards as they were before it."""
+
     # --- values and tracing -----------------------------------------------------------------
     def trace_token(self) -> Any:
         """What a cached intermediate belongs to, or ``None`` where no cache is needed."""

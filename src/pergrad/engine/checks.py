@@ -34,7 +34,7 @@ from keras import ops
 
 from pergrad import backend
 from pergrad._compat import sublayers
-from pergrad.backend.ops import full_float32, wide_float
+from pergrad.backend.ops import full_float32, maximum, wide_float
 from pergrad.rules.normalization import MixesExamplesError, refuse_statistics_over_the_batch
 
 # Unit roundoff u = 2^-p of each floating dtype (p significand bits, the implicit one included).
@@ -133,9 +133,9 @@ def _relative(in_batch, alone, floor):
     finite_a, finite_b = ops.isfinite(in_batch), ops.isfinite(alone)
     a = ops.where(finite_a, in_batch, ops.zeros_like(in_batch))
     b = ops.where(finite_b, alone, ops.zeros_like(alone))
-    scale = ops.maximum(ops.maximum(ops.abs(a), ops.abs(b)), floor)
+    scale = maximum(maximum(ops.abs(a), ops.abs(b)), floor)
     tiny = ops.cast(np.finfo(np.float32).tiny, a.dtype)
-    relative = ops.abs(a - b) / ops.maximum(scale, tiny)
+    relative = ops.abs(a - b) / maximum(scale, tiny)
     one_sided = ops.not_equal(finite_a, finite_b)
     return ops.where(one_sided, ops.cast(np.inf, a.dtype), relative)
 
@@ -186,7 +186,7 @@ def _mixing_differences(model, loss_fn, x, y, num_examples: int, at_perturbed_we
     real = ops.logical_and(ops.isfinite(perturbed),
                            perturbed > ops.cast(_PERTURBED_FLOOR, perturbed.dtype))
     perturbed = ops.where(real, perturbed, ops.zeros_like(perturbed))
-    return ops.maximum(current, perturbed)
+    return maximum(current, perturbed)
 
 
 #: The smallest relative difference at perturbed weights that counts as mixing (float32's
@@ -231,7 +231,7 @@ def _differences(call, loss_fn, x, y, num_examples: int):
     size = ops.shape(in_batch)[0]
     finite = ops.isfinite(in_batch)
     magnitude = ops.where(finite, ops.abs(in_batch), ops.zeros_like(in_batch))
-    floor = ops.sum(magnitude) / ops.maximum(ops.sum(ops.cast(finite, wide)), 1.0)
+    floor = ops.sum(magnitude) / maximum(ops.sum(ops.cast(finite, wide)), 1.0)
     static = in_batch.shape[0]
     count = num_examples if static is None else max(1, min(num_examples, int(static)))
     differences = []

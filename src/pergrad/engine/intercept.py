@@ -72,9 +72,12 @@ def record_calls(plan: Plan, tap: Callable[[Any], Any] | None = None,
                 outputs, tapped, saved = rule.forward(layer, args, kwargs, tap)
                 note(LayerCall(layer, args, kwargs, tapped, saved))
                 return outputs
-            # A generic layer replayed on JAX must see the state it ran with (seed states).
-            state = ([snapshot(v.value) for v in layer.non_trainable_variables]
-                     if tap is not None and rule is None else None)
+            # A generic layer replayed on JAX or PyTorch must see the state it ran with (seed
+            # states, and on PyTorch torch's generators, which unseeded dropout draws from).
+            replayable = tap is not None and rule is None
+            state = [snapshot(v.value) for v in layer.non_trainable_variables] \
+                if replayable else None
+            generators = backend.native().generator_state() if replayable else None
             activation = getattr(layer, "activation", None) if split else None
             if activation is not None:
                 set_untracked(layer, "activation", None)
@@ -90,7 +93,7 @@ def record_calls(plan: Plan, tap: Callable[[Any], Any] | None = None,
                 if tap is not None:
                     tapped = tap(tapped)
                 outputs = tapped
-            note(LayerCall(layer, args, kwargs, tapped, state))
+            note(LayerCall(layer, args, kwargs, tapped, state, generators))
             return outputs
 
         had_own = "call" in layer.__dict__

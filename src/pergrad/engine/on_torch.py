@@ -33,6 +33,7 @@ import torch
 from keras import ops
 
 from pergrad._compat import autocast_scope, call_takes_training, torch_convolutions_in_vmap
+from pergrad.backend.torch.random import replaying_generators
 from pergrad.engine.assemble import (
     add_rows,
     assembled_result,
@@ -109,7 +110,7 @@ def run_auto(model, plan: Plan, loss_fn, x, y, sample_weight, training: bool,
 
     counts = [len(_floating_leaves(record.tapped)) for record in order]
     calls = [LayerCall(record.layer, _detached(record.args), _detached(record.kwargs), None,
-                       record.saved) for record in order]
+                       record.saved, record.generators) for record in order]
     by_variable = forms_by_variable(
         plan, zip(calls, in_groups(tap_grads, counts), strict=True),
         lambda call, grads: generic_forms(call.layer, call, grads, training, warned))
@@ -191,8 +192,10 @@ def generic_forms(layer, call: LayerCall, grads: list, training: bool,
 
 def _replayed_forms(layer, call: LayerCall, grads: list) -> list[Materialized]:
     """The layer replayed on the whole batch with the non-trainable values its call ran with
-    (``call.saved``: the seed states, so the same dropout masks), ``s_i(W) = <f(x; W)_i, D_i>``
-    differentiated per example by ``torch.func.jacrev``: exact for the masks drawn."""
+    (``call.saved``: the seed states) and torch's generators as they were when it ran
+    (``call.generators``: Keras's unseeded dropout draws from them), so with the same dropout
+    masks; ``s_i(W) = <f(x; W)_i, D_i>`` differentiated per example by ``torch.func.jacrev``:
+    exact for the masks drawn."""
     variables = layer.trainable_variables
     frozen = call.saved
     batch = grads[0].shape[0]
@@ -204,7 +207,8 @@ def _replayed_forms(layer, call: LayerCall, grads: list) -> list[Materialized]:
         return sum(torch.sum(torch.reshape(o * g.to(o.dtype), (batch, -1)), dim=1)
                    for o, g in zip(outs, grads, strict=True))
 
-    jacobians = torch.func.jacrev(per_example)(_values(variables))
+    with replaying_generators(call.generators):
+        jacobians = torch.func.jacrev(per_example)(_values(variables))
     return [Materialized(v, j.to(_torch_dtype(v))) for v, j in zip(variables, jacobians,
                                                                    strict=True)]
 

@@ -11,6 +11,7 @@ import numpy as np
 from keras import ops
 
 from pergrad import backend
+from pergrad.backend.ops import maximum, minimum
 from pergrad.engine.arguments import positive_integer, positive_real
 from pergrad.engine.checks import (
     check_rows,
@@ -345,4 +346,4 @@ def finite_clipped_sum(result: PerExampleResult, l2_norm_clip) -> tuple[list, An
 def clip_factors(norms, l2_norm_clip):
     """``min(1, C / ||g_i||)``, with 1 for a zero gradient."""
     clip = ops.cast(l2_norm_clip, norms.dtype)
-    return ops.minimum(ops.ones_like(norms), clip / ops.maximum(norms, ops.cast(1e-30, norms.dtype)))
+    return minimum(ops.ones_like(norms), clip / maximum(norms, 1e-30))

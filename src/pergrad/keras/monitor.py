@@ -15,6 +15,7 @@ from keras import ops
 
 from pergrad import backend
 from pergrad.backend import ENGINE_SUPPORTED, require_supported
+from pergrad.backend.ops import maximum
 from pergrad.engine import PerExampleResult
 from pergrad.keras.example_tables import ExampleTables, HostTables
 from pergrad.stats import (
@@ -522,7 +523,7 @@ def step_statistics(result: PerExampleResult, sample_weight: Any) -> tuple[dict,
         stats = statistics_from_result(result.masked(keep), weights)
     active = active_examples(weights, result.batch_size)
     mask = ops.cast(active, stats["losses"].dtype)
-    loss = ops.sum(stats["losses"] * mask) / ops.maximum(ops.sum(mask), 1)
+    loss = ops.sum(stats["losses"] * mask) / maximum(ops.sum(mask), 1)
     dtype = stats["norms"].dtype
     values = ops.stack([ops.cast(stats[k], dtype) for k in LOGGED_STATISTICS]
                        + [ops.cast(loss, dtype)])

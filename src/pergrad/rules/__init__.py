@@ -40,13 +40,17 @@ from pergrad.rules.forms import Factored, Form, Materialized, Rows, combine, unb
 @dataclass(frozen=True)
 class LayerCall:
     """One call of an intercepted layer: its arguments, the tensor(s) the engine taps, and what a
-    rule's ``forward`` hook saved for the rule (``None`` without one)."""
+    rule's ``forward`` hook saved for the rule (``None`` without one; for a generic layer, its
+    non-trainable values when the call ran). ``generators``: the backend's random generator
+    state when the call ran (:meth:`pergrad.backend.protocol.Backend.generator_state`), for a
+    generic layer replayed with the draws it made."""
 
     layer: Any
     args: tuple
     kwargs: dict
     tapped: Any
     saved: Any = None
+    generators: Any = None
 
 
 @dataclass(frozen=True)

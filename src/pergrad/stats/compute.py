@@ -7,7 +7,7 @@ from typing import Any
 from keras import ops
 
 from pergrad.backend import ENGINE_SUPPORTED, require_supported
-from pergrad.backend.ops import add_n, divide_no_nan
+from pergrad.backend.ops import add_n, divide_no_nan, maximum
 from pergrad.engine import PerExample, PerExampleResult
 from pergrad.stats.formulas import batch_statistics, consensus_statistics, cosine
 
@@ -82,7 +82,7 @@ def statistics_from_result(result: PerExampleResult, sample_weight: Any = None,
     dtype = result.norm_dtype
     active = active_examples(sample_weight, result.batch_size)
     mask = ops.cast(active, dtype)
-    coefficients = mask / ops.maximum(ops.sum(mask), 1)
+    coefficients = mask / maximum(ops.sum(mask), 1)
     # The norms first: a form whose norms build the per-example matrices sums from them.
     squared_norms_per_var = result.squared_norms(then_summed=True)
     squared_norms = add_n(squared_norms_per_var) * mask

@@ -18,7 +18,7 @@ from typing import Any
 
 from keras import ops
 
-from pergrad.backend.ops import divide_no_nan
+from pergrad.backend.ops import divide_no_nan, maximum
 
 #: Keys of the batch-level (scalar) statistics, in a fixed order.
 BATCH_STATISTICS = (
@@ -86,12 +86,12 @@ def batch_statistics(squared_norms: Any, dots: Any, batch_sq_norm: Any,
     mask = ops.cast(active, dtype)
     n = ops.sum(mask)
     nan = ops.cast(float("nan"), dtype)
-    unbiased = ops.where(n > 1, 1.0 / ops.maximum(n - 1, 1), nan)
+    unbiased = ops.where(n > 1, 1.0 / maximum(n - 1, 1), nan)
     sum_sq = ops.sum(mask * squared_norms)
-    variance = ops.maximum(sum_sq - n * batch_sq_norm, 0) * unbiased
+    variance = maximum(sum_sq - n * batch_sq_norm, 0) * unbiased
     noise_scale = variance / batch_sq_norm
     dot_var = ops.sum(mask * ops.square(dots - batch_sq_norm)) * unbiased
-    orthogonal_sq = ops.maximum(squared_norms - ops.square(dots) / batch_sq_norm, 0)
+    orthogonal_sq = maximum(squared_norms - ops.square(dots) / batch_sq_norm, 0)
     orthogonal = ops.sum(mask * orthogonal_sq) * unbiased
     opposed = ops.sum(mask * ops.cast(dots < 0, dtype))
     return {
@@ -131,7 +131,7 @@ def consensus_statistics(unit_dots: Any, norms: Any, unit_sq_norm: Any,
     dtype = norms.dtype
     mask = ops.cast(active, dtype) * ops.cast(norms > 0, dtype)
     unit_self = divide_no_nan(unit_dots, norms)  # <u_i, U>
-    rest_sq = ops.maximum(unit_sq_norm - 2.0 * unit_self + 1.0, 0.0)
+    rest_sq = maximum(unit_sq_norm - 2.0 * unit_self + 1.0, 0.0)
     cos = divide_no_nan(unit_self - 1.0, ops.sqrt(rest_sq)) * mask
     n = ops.sum(ops.cast(active, dtype))
     against = ops.sum(mask * ops.cast(cos < 0, dtype))

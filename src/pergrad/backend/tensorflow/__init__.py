@@ -28,8 +28,10 @@ from pergrad.backend.tensorflow.ops import (
 from pergrad.backend.tensorflow.random import (
     check_noise_keys,
     gaussian_noise,
+    generator_state,
     new_key_state,
     next_key,
+    replaying_generators,
     take_key,
 )
 from pergrad.backend.tensorflow.replicas import replicas
@@ -53,7 +55,7 @@ ROUTES = routes.TENSORFLOW
 __all__ = ["NAME", "RNN_BACKWARDS_IN_INPUT_ORDER", "RNN_MASK_HOLDS_STATE", "ROUTES", "branch",
            "host_call", "wait_for_host_callbacks", "assert_positive", "check_noise_keys",
            "depthwise_filter_gradients", "depthwise_products_by_forward_conv", "full_float32",
-           "gaussian_noise", "grouped_filter_gradients", "grouped_filter_gradients_available",
+           "gaussian_noise", "generator_state", "replaying_generators", "grouped_filter_gradients", "grouped_filter_gradients_available",
            "has_strategy", "is_tracing", "layer_rounding", "process_count", "tensor_float_32",
            "wide_scalar",
            "image_patches", "map_in_chunks", "matmul_ta", "new_key_state", "next_key",

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 import keras
@@ -64,3 +65,15 @@ def _normal(shape, key, dtype: str) -> Any:
     angle = (2.0 * np.pi) * tf.random.stateless_uniform([pairs], angle_key, dtype=wide)
     normals = tf.concat([radius * tf.cos(angle), radius * tf.sin(angle)], axis=0)[:count]
     return tf.cast(tf.reshape(normals, shape), dtype)
+
+
+def generator_state() -> Any:
+    """``None``: Keras's random layers draw from their seed states, which the layer's
+    non-trainable values hold."""
+    return None
+
+
+def replaying_generators(state: Any) -> contextlib.AbstractContextManager:
+    """Nothing to replay: :func:`generator_state` is ``None``."""
+    del state
+    return contextlib.nullcontext()

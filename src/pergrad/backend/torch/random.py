@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from typing import Any
 
 import keras
@@ -55,3 +57,32 @@ def gaussian_noise(key: Any, values: list, stddev: float) -> list:
         draw = host_normal(generator, tuple(int(n) for n in v.shape), wide, stddev)
         out.append(torch.from_numpy(draw).to(device=v.device, dtype=v.dtype))
     return out
+
+
+def generator_state() -> Any:
+    """torch's CPU generator state (and every CUDA device's, where CUDA is in use): Keras's
+    torch dropout draws from them when the layer was given no seed."""
+    cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None
+    return torch.get_rng_state(), cuda
+
+
+@contextlib.contextmanager
+def replaying_generators(state: Any) -> Iterator[None]:
+    """Draws inside the block are those drawn from ``state``; the generators are put back as
+    they were before the block, so a replay leaves the stream of draws unchanged."""
+    if state is None:
+        yield
+        return
+    before = generator_state()
+    _set_generators(state)
+    try:
+        yield
+    finally:
+        _set_generators(before)
+
+
+def _set_generators(state: Any) -> None:
+    cpu, cuda = state
+    torch.set_rng_state(cpu)
+    if cuda is not None:
+        torch.cuda.set_rng_state_all(cuda)
