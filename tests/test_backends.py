@@ -137,20 +137,25 @@ def test_recurrent_layers_in_training_mode_match_the_oracle(float64):
         assert_close(g, e, atol=1e-6 * scale)
 
 
-def test_dropout_inside_a_generic_layer_is_exact_for_the_mask_drawn(float64):
+@pytest.mark.parametrize("seed", [7, None])
+def test_dropout_inside_a_generic_layer_is_exact_for_the_mask_drawn(seed, float64):
     """An LSTM with dropout in training mode: the per-example gradients of one call add up to
-    the batch gradient of that same call (same masks: the seed state from before the call)."""
+    the batch gradient of that same call (same masks: the seed state from before the call, and
+    without a seed on PyTorch, torch's generators as they were, which Keras's dropout draws
+    from there)."""
     keras.utils.set_random_seed(3)
     inputs = keras.Input((4, 3))
-    h = keras.layers.LSTM(5, dropout=0.4, recurrent_dropout=0.3, seed=7)(inputs)
+    h = keras.layers.LSTM(5, dropout=0.4, recurrent_dropout=0.3, seed=seed)(inputs)
     model = keras.Model(inputs, keras.layers.Dense(3)(h))
     x, y = np.random.default_rng(1).normal(size=(5, 4, 3)), np.arange(5) % 3
-    seeds = [np.asarray(v).copy() for v in model.non_trainable_variables]
+    seeds = [keras.ops.convert_to_numpy(v).copy() for v in model.non_trainable_variables]
+    generators = backend.native().generator_state()
     grads = pergrad.PerExample(model, zoo.SCCE, training=True).gradients(x, y)
     values = [v.value for v in model.trainable_variables]
 
     def batch_loss(values):
-        out, _ = model.stateless_call(values, seeds, x, training=True)
+        with backend.native().replaying_generators(generators):
+            out, _ = model.stateless_call(values, seeds, x, training=True)
         return keras.ops.sum(zoo.SCCE.call(y, out))
 
     if backend.is_jax():
