@@ -88,6 +88,11 @@ def pytest_unconfigure(config):
 
 
 _BAD_MARKER = pytest.StashKey[str]()
+#: Modules whose tests start processes and take a minute or more: run first.
+LONG_TESTS_FIRST = frozenset({
+    "test_docs.py", "test_multi_worker.py", "test_keras_distributed.py",
+    "test_jax_multi_process.py", "test_jax_distribution.py", "test_cli.py",
+    "test_analyze_rows.py", "test_lazy_tensorflow.py"})
 
 
 def _checked_reason(item, marker) -> None:
@@ -156,6 +161,10 @@ def pytest_collection_modifyitems(config, items):
     if deselected:
         config.hook.pytest_deselected(items=deselected)
         items[:] = selected
+    # The modules of long tests (subprocesses: docs pages, CLI runs, several processes) first,
+    # so that pytest-xdist spreads them over its workers at the start instead of leaving one
+    # to finish them alone at the end; the order within each group is kept.
+    items.sort(key=lambda item: item.path.name not in LONG_TESTS_FIRST)
 
 
 def pytest_runtest_setup(item):

@@ -5,7 +5,6 @@ middle of an epoch is reported, and a restart resumes to exactly the uninterrupt
 
 from __future__ import annotations
 
-import fcntl
 import json
 import os
 import subprocess
@@ -43,29 +42,6 @@ def _launch(modes: tuple[str, ...], out: Path) -> list[subprocess.CompletedProce
                        TIMEOUT * len(modes), env)
 
 
-@pytest.fixture(scope="module")
-def first_launch(tmp_path_factory) -> tuple[Path, list[subprocess.CompletedProcess]]:
-    """One launch of both workers for ``train``, ``sequence`` and ``crash``, shared by the
-    tests that read it: its folder and the two processes' results.
-
-    Under pytest-xdist the test session's workers share one launch: the first to ask starts it
-    under a file lock in the run's common temporary folder, the others wait for it and read
-    what it left (``--dist=loadgroup`` would do this, but pytest 9.2 broke its grouping:
-    pytest-dev/pytest-xdist#1386)."""
-    base = tmp_path_factory.getbasetemp()
-    shared = base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
-    out, record = shared / "multi_worker", shared / "multi_worker_launch.json"
-    with open(shared / "multi_worker.lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
-        if not record.exists():
-            out.mkdir()
-            done = _launch(FIRST_MODES, out)
-            record.write_text(json.dumps([[p.returncode, p.stderr[-3000:]] for p in done]))
-    done = [subprocess.CompletedProcess([], code, "", stderr)
-            for code, stderr in json.loads(record.read_text())]
-    return out, done
-
-
 def _results(launch, mode: str) -> dict:
     """Worker 0's results for ``mode``, or the workers' errors if it wrote none."""
     out, done = launch
@@ -83,10 +59,18 @@ def _single_process(aggregator, epochs: int = 1, **fit) -> list[np.ndarray]:
     return model.model.get_weights()
 
 
-def test_two_workers_equal_one_process_and_add_noise_once(first_launch):
+def test_two_workers_train_as_one_process_and_resume_after_a_lost_worker(tmp_path):
+    """One launch of both workers runs the three modes one after another (TensorFlow's start
+    and the cluster's set-up are paid once); each mode's checks follow."""
+    launch = (tmp_path, _launch(FIRST_MODES, tmp_path))
+    _check_equal_to_one_process_with_noise_added_once(_results(launch, "train"))
+    _check_models_trained_one_after_another(_results(launch, "sequence"))
+    _check_lost_worker_reported_and_resumed(launch, _results(launch, "crash"))
+
+
+def _check_equal_to_one_process_with_noise_added_once(trained: dict) -> None:
     """mean, clip_mean, dp_mean and median: the weights after one epoch (3 global steps of 16,
     8 examples per worker) equal one process's; the DP noise has std ``C sigma / B`` per step."""
-    trained = _results(first_launch, "train")
     assert trained["replicas"] == 2
     assert "fit_distributed" in trained["fit_refused"]  # Keras's fit cannot; says what can
     for name in ("mean", "clip_mean", "dp_mean", "median"):
@@ -103,14 +87,13 @@ def test_two_workers_equal_one_process_and_add_noise_once(first_launch):
     assert abs(np.std(noisy - plain) / expected_std - 1) < 0.2, np.std(noisy - plain)
 
 
-def test_models_trained_one_after_another_with_adam_equal_one_process(first_launch):
+def _check_models_trained_one_after_another(trained: dict) -> None:
     """clip_mean, dp_mean(expected_batch_size=10) and trimmed_mean trained one after another in
     the same two processes, with Adam (slots made before the step is traced), sample weights and
     shuffled arrays: each ends at one process's weights. Before ``fit_distributed`` built every
     variable first, the second worker's step failed on a placeholder of a lifted initializer."""
     import tensorflow as tf
 
-    trained = _results(first_launch, "sequence")
     x, y, w = script.data()
     for name, make in script.SEQUENCE.items():
         model = script.compiled(make(), optimizer="adam")
@@ -120,9 +103,10 @@ def test_models_trained_one_after_another_with_adam_equal_one_process(first_laun
             np.testing.assert_allclose(np.asarray(got), want, rtol=1e-5, atol=1e-5, err_msg=name)
 
 
-def test_a_lost_worker_is_reported_and_a_restart_resumes_exactly(first_launch, tmp_path):
-    out, crashed = first_launch
-    first = _results(first_launch, "crash")
+def _check_lost_worker_reported_and_resumed(launch, first: dict) -> None:
+    """Worker 1 leaves in the middle of epoch 2: worker 0 reports it; launched again, both
+    resume from the last checkpoint to exactly the uninterrupted run's state."""
+    out, crashed = launch
     assert crashed[1].returncode == 3  # worker 1 left in the middle of epoch 2
     assert crashed[0].returncode == 0, crashed[0].stderr[-3000:]
     assert "A worker stopped responding" in first["failure"]
@@ -132,7 +116,7 @@ def test_a_lost_worker_is_reported_and_a_restart_resumes_exactly(first_launch, t
         assert proc.returncode == 0, proc.stderr[-3000:]
     after = json.loads((out / "resume.json").read_text())["dp_run"]
     # The uninterrupted run, on one process with the same global batches and noise keys.
-    reference = script.dp_run_on_one_process(str(tmp_path / "one"))
+    reference = script.dp_run_on_one_process(str(out / "one"))
     for got, want in zip(after["weights"], reference["weights"], strict=True):
         np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-6)
     assert after["noise_state"] == reference["noise_state"] == [7, 9]  # 3 epochs x 3 steps
