@@ -3,11 +3,27 @@ process id when the time runs out, whatever happened."""
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import signal
 import subprocess
 import time
 from collections.abc import Sequence
+
+import pytest
+
+
+def jax_children(what: str) -> list:
+    """The markers of a test whose children run JAX whatever this run's backend (``what``: what
+    they are): launched once, from the PyTorch run, the shortest suite; skipped where jax is
+    not installed."""
+    return [
+        pytest.mark.only_on("torch", reason=(
+            f"subprocess test: {what} are launched once, from the PyTorch run (the shortest "
+            "suite; the parent's backend plays no part)")),
+        pytest.mark.skipif(importlib.util.find_spec("jax") is None,
+                           reason="needs jax (pip install pergrad[jax])"),
+    ]
 
 
 def run_bounded(commands: Sequence[Sequence[str]], timeout: float,

@@ -1,13 +1,12 @@
 """The command line end to end, in subprocesses, with tiny settings.
 
 The in-process ``pergrad analyze`` tests run on every backend; the subprocess tests are marked
-to run once: from the TensorFlow run, except those whose children run JAX (``JAX_CHILD``), from
+to run once: from the TensorFlow run, except those whose children run JAX (``jax_child``), from
 the PyTorch run, the shortest suite."""
 
 from __future__ import annotations
 
 import contextlib
-import importlib.util
 import io
 import json
 import os
@@ -16,15 +15,16 @@ import sys
 
 import numpy as np
 import pytest
+from processes import jax_children
 
 from pergrad.demo import detection_scores, flip_labels
 
-# A test whose children run JAX whatever this run's backend: once, from the PyTorch run.
-JAX_CHILD = pytest.mark.only_on("torch", reason=(
-    "subprocess test: its KERAS_BACKEND=jax children are launched once, from the PyTorch run "
-    "(the shortest suite; the parent's backend plays no part)"))
-NEEDS_JAX = pytest.mark.skipif(importlib.util.find_spec("jax") is None,
-                               reason="needs jax (pip install pergrad[jax])")
+
+def jax_child(test):
+    """A test whose children run JAX whatever this run's backend: once, from the PyTorch run."""
+    for mark in jax_children("its KERAS_BACKEND=jax children"):
+        test = mark(test)
+    return test
 
 
 def pergrad(*args: str, cwd=None, timeout: int = 300) -> subprocess.CompletedProcess:
@@ -69,8 +69,7 @@ def test_analyze_writes_the_report_and_finds_flipped_labels(tmp_path):
     assert "epoch" in done.stdout and "ROC AUC" in done.stdout
 
 
-@JAX_CHILD
-@NEEDS_JAX
+@jax_child
 def test_analyze_on_the_jax_backend(tmp_path):
     """``KERAS_BACKEND=jax pergrad analyze``: the monitor, the label-error scores and TracIn on
     JAX (its own process, whatever backend this one runs: once, in the PyTorch run)."""
@@ -158,8 +157,7 @@ def test_bench_quick_runs_and_writes_json(tmp_path):
     assert "| mlp | 16 |" in done.stdout
 
 
-@JAX_CHILD
-@NEEDS_JAX
+@jax_child
 def test_bench_on_the_jax_backend(tmp_path):
     """``pergrad bench --backend jax``: the JAX engine suite, DP step included, from the CLI
     (its own process, whatever backend this one runs: once, in the PyTorch run)."""

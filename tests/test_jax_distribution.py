@@ -7,23 +7,17 @@ once, in the PyTorch run of the suite.
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import subprocess
 import sys
 import textwrap
 
-import pytest
+from processes import jax_children
 
-pytestmark = [
-    pytest.mark.only_on("torch", reason=(
-        "subprocess test: its KERAS_BACKEND=jax children (XLA_FLAGS for two host devices, "
-        "jax_enable_x64 on or off) are launched once, from the PyTorch run (the shortest suite; "
-        "the parent's backend plays no part)")),
-    pytest.mark.skipif(importlib.util.find_spec("jax") is None,
-                       reason="needs jax (pip install pergrad[jax])"),
-]
+pytestmark = jax_children(
+    "its KERAS_BACKEND=jax children (XLA_FLAGS for two host devices, "
+    "jax_enable_x64 on or off)")
 
 SCRIPT = textwrap.dedent(r"""
     import json

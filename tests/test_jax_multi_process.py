@@ -11,7 +11,6 @@ run of the suite.
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import select
@@ -28,16 +27,11 @@ import pytest
 from pergrad.bench.multi_worker import free_ports
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from processes import run_bounded  # noqa: E402
+from processes import jax_children, run_bounded  # noqa: E402
 
-pytestmark = [
-    pytest.mark.only_on("torch", reason=(
-        "subprocess test: its two JAX processes (keras.distribution.initialize, gloo "
-        "collectives, a tf.data route) are launched once, from the PyTorch run (the shortest suite; "
-        "the parent's backend plays no part)")),
-    pytest.mark.skipif(importlib.util.find_spec("jax") is None,
-                       reason="needs jax (pip install pergrad[jax])"),
-]
+pytestmark = jax_children(
+    "its two JAX processes (keras.distribution.initialize, gloo "
+    "collectives, a tf.data route)")
 
 TIMEOUT = 150.0
 _ENV = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3")

@@ -4,6 +4,7 @@ packages build on them too; everything above ``backend/`` reaches them via
 
 from __future__ import annotations
 
+import contextlib
 import functools
 from collections.abc import Callable
 from typing import Any
@@ -91,3 +92,15 @@ def scan_recurrence(body: Callable, extras: int, elems: tuple, zero: Any, states
     (last, final_states), (outputs, previous, extra_steps) = ops.scan(
         body, (zero, tuple(states)), elems)
     return outputs if sequences else None, last, tuple(final_states), previous, extra_steps
+
+
+def generator_state() -> Any:
+    """``None``: on TensorFlow and JAX, Keras's random layers draw from their seed states,
+    which the layer's non-trainable values hold (PyTorch has its own)."""
+    return None
+
+
+def replaying_generators(state: Any) -> contextlib.AbstractContextManager:
+    """Nothing to replay where :func:`generator_state` is ``None``."""
+    del state
+    return contextlib.nullcontext()

@@ -28,10 +28,8 @@ from pergrad.backend.jax.ops import (
 from pergrad.backend.jax.random import (
     check_noise_keys,
     gaussian_noise,
-    generator_state,
     new_key_state,
     next_key,
-    replaying_generators,
     take_key,
 )
 from pergrad.backend.jax.replicas import replicas
@@ -43,6 +41,7 @@ from pergrad.backend.jax.runtime import (
     tensor_float_32,
     wide_scalar,
 )
+from pergrad.backend.neutral import generator_state, replaying_generators
 
 NAME = "jax"
 #: Keras's own recurrent loop on this backend: where a mask drops a step, the output holds the

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import math
 from typing import Any
 
@@ -110,14 +109,3 @@ def normal(key, shape: tuple, dtype) -> Any:
     lower = ndtri(v.astype(wide))  # <= 0
     return jnp.where((words & 1) == 1, -lower, lower).astype(dtype)
 
-
-def generator_state() -> Any:
-    """``None``: Keras's random layers draw from their seed states, which the layer's
-    non-trainable values hold."""
-    return None
-
-
-def replaying_generators(state: Any) -> contextlib.AbstractContextManager:
-    """Nothing to replay: :func:`generator_state` is ``None``."""
-    del state
-    return contextlib.nullcontext()

@@ -1,6 +1,7 @@
 """TensorFlow's primitives (:class:`pergrad.backend.protocol.Backend`)."""
 
 from pergrad.backend import routes
+from pergrad.backend.neutral import generator_state, replaying_generators
 from pergrad.backend.tensorflow.conv import (
     depthwise_filter_gradients,
     depthwise_products_by_forward_conv,
@@ -28,10 +29,8 @@ from pergrad.backend.tensorflow.ops import (
 from pergrad.backend.tensorflow.random import (
     check_noise_keys,
     gaussian_noise,
-    generator_state,
     new_key_state,
     next_key,
-    replaying_generators,
     take_key,
 )
 from pergrad.backend.tensorflow.replicas import replicas

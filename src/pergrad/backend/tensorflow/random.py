@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 from typing import Any
 
 import keras
@@ -66,14 +65,3 @@ def _normal(shape, key, dtype: str) -> Any:
     normals = tf.concat([radius * tf.cos(angle), radius * tf.sin(angle)], axis=0)[:count]
     return tf.cast(tf.reshape(normals, shape), dtype)
 
-
-def generator_state() -> Any:
-    """``None``: Keras's random layers draw from their seed states, which the layer's
-    non-trainable values hold."""
-    return None
-
-
-def replaying_generators(state: Any) -> contextlib.AbstractContextManager:
-    """Nothing to replay: :func:`generator_state` is ``None``."""
-    del state
-    return contextlib.nullcontext()
