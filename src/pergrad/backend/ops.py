@@ -38,6 +38,7 @@ wide_float = _native.wide_float
 full_float32 = _native.full_float32
 
 __all__ = ["add_n", "batch_size", "broadcast_outer_products", "divide_no_nan", "dtype_of",
-           "full_float32", "is_floating", "map_in_chunks", "maximum", "minimum", "matmul_ta", "outer_products",
+           "full_float32", "is_floating", "map_in_chunks", "matmul_ta", "maximum", "minimum",
+           "outer_products",
            "rank", "row_squared_norms", "segment_sum", "snapshot", "static_or_none",
            "trace_token", "vjp", "wide_float", "zero_rows"]

@@ -21,7 +21,7 @@ from typing import Any
 from pergrad import backend
 from pergrad._compat import delete_untracked, set_untracked
 from pergrad.backend.ops import snapshot
-from pergrad.engine.plan import Plan
+from pergrad.engine.plan import Plan, draws_random
 from pergrad.rules import LayerCall
 
 
@@ -58,6 +58,8 @@ def record_calls(plan: Plan, tap: Callable[[Any], Any] | None = None,
     def install(layer, rule):
         original = layer.call
         split = rule is not None and rule.splits_activation
+        replayable = tap is not None and rule is None
+        draws = replayable and draws_random(layer)
 
         def wrapper(*args, **kwargs):
             if _graph() is not outer_graph:
@@ -74,10 +76,9 @@ def record_calls(plan: Plan, tap: Callable[[Any], Any] | None = None,
                 return outputs
             # A generic layer replayed on JAX or PyTorch must see the state it ran with (seed
             # states, and on PyTorch torch's generators, which unseeded dropout draws from).
-            replayable = tap is not None and rule is None
             state = [snapshot(v.value) for v in layer.non_trainable_variables] \
                 if replayable else None
-            generators = backend.native().generator_state() if replayable else None
+            generators = backend.native().generator_state() if draws else None
             activation = getattr(layer, "activation", None) if split else None
             if activation is not None:
                 set_untracked(layer, "activation", None)

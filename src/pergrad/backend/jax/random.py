@@ -108,4 +108,3 @@ def normal(key, shape: tuple, dtype) -> Any:
     wide = jnp.float64 if jnp.dtype(dtype) == jnp.float64 else jnp.float32
     lower = ndtri(v.astype(wide))  # <= 0
     return jnp.where((words & 1) == 1, -lower, lower).astype(dtype)
-

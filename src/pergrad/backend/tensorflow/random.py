@@ -64,4 +64,3 @@ def _normal(shape, key, dtype: str) -> Any:
     angle = (2.0 * np.pi) * tf.random.stateless_uniform([pairs], angle_key, dtype=wide)
     normals = tf.concat([radius * tf.cos(angle), radius * tf.sin(angle)], axis=0)[:count]
     return tf.cast(tf.reshape(normals, shape), dtype)
-
