@@ -13,19 +13,45 @@ import pytest
 
 from pergrad import backend
 from pergrad.backend import routes
-from pergrad.backend.protocol import Backend
+from pergrad.backend.protocol import Backend, Engine, JacobianPrimitives, Trainer
 
 #: The framework each backend package imports.
 FRAMEWORKS = {"tensorflow": "tensorflow", "jax": "jax", "torch": "torch"}
 
 
-def _declared() -> tuple[dict, set]:
+def _declared(protocol: type = Backend) -> tuple[dict, set]:
     """The protocol's methods (name -> parameters without ``self``) and its constants."""
     methods = {name: list(inspect.signature(member).parameters)[1:]
-               for name, member in vars(Backend).items()
+               for name, member in vars(protocol).items()
                if inspect.isfunction(member) and not name.startswith("_")}
-    constants = set(Backend.__annotations__)
+    constants = set(protocol.__annotations__)
     return methods, constants
+
+
+#: The running backend's parts above ``backend/`` and what they declare (the Jacobian's
+#: primitives: JAX and PyTorch, where ``pergrad.jacobian._functional`` runs).
+PARTS = {"engine": Engine, "trainer": Trainer, "jacobian": JacobianPrimitives}
+
+
+@pytest.mark.parametrize("part", sorted(PARTS))
+def test_the_running_backends_parts_export_their_protocol(part):
+    if part == "jacobian" and keras.backend.backend() == "tensorflow":
+        assert importlib.util.find_spec("pergrad.backend.tensorflow.jacobian") is None
+        return  # TensorFlow's Jacobians are pergrad.jacobian._modes
+    import pergrad.keras  # noqa: F401 - PerExampleModel imports the trainer part first
+
+    module = backend.part(part)
+    assert module.__name__ == f"pergrad.backend.{keras.backend.backend()}.{part}"
+    methods, constants = _declared(PARTS[part])
+    assert methods and constants
+    for method, parameters in methods.items():
+        member = getattr(module, method, None)
+        assert callable(member), f"{module.__name__} lacks {method}"
+        if getattr(member, "__module__", "").startswith("pergrad."):  # not jnp.sum, torch.sum
+            got = list(inspect.signature(member).parameters)
+            assert got == parameters, f"{module.__name__}.{method}{got} is not {parameters}"
+    for constant in constants:
+        assert hasattr(module, constant), f"{module.__name__} lacks {constant}"
 
 
 @pytest.mark.parametrize("name", sorted(FRAMEWORKS))

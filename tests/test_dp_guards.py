@@ -47,7 +47,7 @@ def _centered_loss(y, p):
                                         aggregate.normalized_mean()])
 @pytest.mark.only_on("tensorflow", "torch", reason=(
     "pergrad bug on JAX: its MixesExamplesError lacks the measured 'Relative difference: ... "
-    "(tolerance ...)' (jax_step.check_example_mixing keeps only the 0/1/2 status)"))
+    "(tolerance ...)' (backend/jax/trainer.py check_example_mixing keeps only the 0/1/2 status)"))
 def test_a_mixing_layer_is_refused_before_any_update(rng, aggregator):
     inner = _mixing_model()
     before = inner.get_weights()
@@ -67,7 +67,7 @@ def test_a_mixing_layer_is_refused_before_any_update(rng, aggregator):
 
 @pytest.mark.tensorflow_only(reason=(
     "the TensorFlow train step's 'without XLA' warning: with jit_compile=True it keeps the mixing "
-    "check out of XLA (pergrad/keras/tf_step.py)"))
+    "check out of XLA (pergrad/backend/tensorflow/trainer.py)"))
 def test_xla_cannot_skip_the_mixing_check(rng):
     model = PerExampleModel(_mixing_model(), aggregate.dp_mean(1.0, 1.0))
     with pytest.warns(UserWarning, match="without XLA"):
@@ -238,7 +238,7 @@ def test_a_monitor_on_a_dp_model_warns_that_it_is_not_private():
 # -- metrics do not count padding rows --------------------------------------------------------------
 
 @pytest.mark.only_on("tensorflow", "torch", reason=(
-    "pergrad bug on JAX: zero-weight rows count in unweighted metrics= (jax_step.kept_rows is "
+    "pergrad bug on JAX: zero-weight rows count in unweighted metrics= (backend/jax/trainer.py kept_rows is "
     "None), contrary to docs/privacy.md and docs/training.md"))
 def test_zero_weight_rows_do_not_count_in_unweighted_metrics(rng):
     """Poisson padding rows (weight 0) used to count in ``metrics=["accuracy"]``."""

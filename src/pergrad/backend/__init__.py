@@ -4,16 +4,24 @@ As in Keras itself (``keras/src/backend/{tensorflow,jax,torch}``), each backend 
 exporting the same names, declared by :class:`pergrad.backend.protocol.Backend`: array
 primitives ``keras.ops`` lacks, noise keys and draws, and the backend's route choices
 (:class:`pergrad.backend.protocol.Routes`). :func:`native` is the running backend's package,
-chosen once; rules, forms and aggregators ask it instead of testing which backend runs. The
-engine's per-backend parts (how one forward pass is recorded and how one backward pass reaches
-the taps) live in :mod:`pergrad.engine.on_tensorflow`, :mod:`pergrad.engine.on_jax` and
-:mod:`pergrad.engine.on_torch`.
+chosen once; rules, forms and aggregators ask it instead of testing which backend runs.
+
+Each package also holds the backend's parts of what is built above ``backend/``, as Keras keeps
+its trainers in ``keras/src/backend/*/trainer.py``: ``engine`` (how one forward pass is recorded
+with taps, how one backward pass reaches them, the generic rule and the whole-model baselines;
+:class:`pergrad.backend.protocol.Engine`), ``trainer`` (the train step's per-backend part and
+``PerExampleModel``'s trainer base; :class:`pergrad.backend.protocol.Trainer`) and, on JAX
+and PyTorch, ``jacobian`` (the primitives of :mod:`pergrad.jacobian._functional`;
+:class:`pergrad.backend.protocol.JacobianPrimitives`). :func:`part` imports one of them on first
+use; the packages themselves never import them, so the rest of ``backend/`` stays below
+everything else.
 """
 
 from __future__ import annotations
 
 import functools
 import importlib
+from types import ModuleType
 from typing import TYPE_CHECKING
 
 import keras
@@ -52,6 +60,12 @@ def native() -> Backend:
     imported on first use and the same for the rest of the process (Keras's backend is fixed
     when Keras is imported)."""
     return importlib.import_module(f"pergrad.backend.{require_supported()}")
+
+
+def part(name: str) -> ModuleType:
+    """The running backend's ``name`` module (``"engine"``, ``"trainer"`` or ``"jacobian"``):
+    ``pergrad.backend.<backend>.<name>``, imported on first use."""
+    return importlib.import_module(f"pergrad.backend.{require_supported()}.{name}")
 
 
 def require_supported(what: str = "pergrad", backends: tuple = SUPPORTED) -> str:

@@ -1,4 +1,6 @@
-"""What every backend package exports: the :class:`Backend` protocol.
+"""What every backend package exports: the :class:`Backend` protocol; what its ``engine``,
+``trainer`` and ``jacobian`` modules export: :class:`Engine`, :class:`Trainer` and
+:class:`JacobianPrimitives`.
 
 ``pergrad.backend.tensorflow``, ``pergrad.backend.jax`` and ``pergrad.backend.torch`` are packages
 with these names, as Keras's own ``keras/src/backend/{tensorflow,jax,torch}`` are; the running
@@ -169,4 +171,125 @@ class Backend(Protocol):
         """``N(0, stddev^2 I)`` shaped like each of ``values``, stateless in ``key``."""
 
 
-__all__ = ["Backend"]
+class Engine(Protocol):
+    """``pergrad.backend.<name>.engine``: how one batch's per-example gradients are computed
+    on this backend, under the backend-neutral tail of :mod:`pergrad.engine.assemble`."""
+
+    #: The whole-model baselines by strategy name: ``"jacobian"``, ``"vmap"``, ``"loop"``.
+    RUNNERS: dict
+
+    def run_auto(self, model: Any, plan: Any, loss_fn: Any, x: Any, y: Any, sample_weight: Any,
+                 training: bool, warned: set) -> Any:
+        """One forward pass with taps at the layers ``plan`` names, one backward pass of the
+        summed weighted loss to the taps, then each layer's rule (or the generic rule):
+        a :class:`pergrad.engine.result.PerExampleResult`."""
+
+    def batch_gradient(self, model: Any, loss_fn: Any, x: Any, y: Any, sample_weight: Any,
+                       training: bool) -> list:
+        """The gradient of ``sum_i w_i l_i`` with respect to the trainable variables."""
+
+    def compile_function(self, model: Any, body: Callable[..., Any], on_trace: Callable[[], Any],
+                         jit_compile: bool = False) -> Any:
+        """``body`` compiled the backend's way over ``model``'s variables (TensorFlow: a
+        ``tf.function``; JAX: one ``jax.jit`` over the variables' values; PyTorch: eager);
+        ``on_trace()`` runs at each trace."""
+
+
+class Trainer(Protocol):
+    """``pergrad.backend.<name>.trainer``: the per-backend part of the one train step of
+    :mod:`pergrad.keras.step`, and ``PerExampleModel``'s trainer base (``Trainer``), as Keras
+    composes ``Model`` from its backend's trainer. (Each module's ``train_step`` takes Keras's
+    arguments for that backend: ``(model, data)``, on JAX ``(model, state, data)``.)"""
+
+    #: The step reads every variable through a scope that records their values (JAX, PyTorch).
+    RECORD_VALUES: bool
+    #: The base class of ``PerExampleModel``: the mixing state, ``fit``, ``train_on_batch``.
+    Trainer: type
+    #: Only the rows where ``counted`` holds, for Keras's metrics; ``None`` where shapes stay
+    #: static and zero weights do it instead (JAX).
+    kept_rows: Any
+
+    def check_example_mixing(self, model: Any, engine: Any, x: Any, y: Any,
+                             sample_weight: Any) -> list:
+        """The first batch's example-mixing check: what the state changes wait for."""
+
+    def after(self, checks: list) -> contextlib.AbstractContextManager:
+        """A block whose state changes wait for ``checks``."""
+
+    def replicas(self) -> int:
+        """The replicas the optimizer sums over (``tf.distribute``), else 1."""
+
+    def local_and_stats(self, model: Any, result: Any, batch: Any, indices: Any,
+                        sample_weight: Any, extras: Any) -> tuple:
+        """The aggregator's local part and the monitor's statistics where they are computed
+        alongside it (else ``None``)."""
+
+    def monitor(self, model: Any, result: Any, indices: Any, sample_weight: Any,
+                extras: dict) -> dict:
+        """The monitor's statistics of this step."""
+
+    def apply(self, optimizer: Any, grads: list, variables: list, trainable: list) -> None:
+        """``optimizer`` applies ``grads`` to ``variables``."""
+
+
+class JacobianPrimitives(Protocol):
+    """``pergrad.backend.<name>.jacobian`` on JAX and PyTorch: what
+    :mod:`pergrad.jacobian._functional` computes Jacobians, Hessians and products with."""
+
+    #: ``compile`` traces its body once per shape (JAX), or runs it eagerly (PyTorch).
+    TRACES: bool
+
+    def compile(self, state: Any, body: Callable[..., Any]) -> Callable[..., Any]:
+        """``body(*args)`` compiled over ``args`` and the values of ``state.variables``."""
+
+    def is_array(self, leaf: Any) -> bool:
+        """Whether ``leaf`` is an array argument (not a Python constant of the trace)."""
+
+    def is_float_array(self, leaf: Any) -> bool:
+        """Whether ``leaf`` is a floating-point array of the backend."""
+
+    def detach(self, value: Any) -> Any:
+        """``value`` without autograd history."""
+
+    def as_array(self, value: Any, like: Any, *, cast: bool = False) -> Any:
+        """``value`` as an array of ``like``'s dtype."""
+
+    def vjp(self, fn: Callable[[Any], tuple[Any, Any]], x: Any) -> tuple[Any, Callable, Any]:
+        """``(y, pullback, aux)`` for ``fn(x) = (y, aux)``."""
+
+    def jvp(self, fn: Callable[..., tuple[Any, Any]], primals: tuple, tangents: tuple) -> tuple:
+        """``(y, J t, aux)`` for ``fn(*primals) = (y, aux)``."""
+
+    def grad(self, fn: Callable[[Any], tuple[Any, Any]]) -> Callable[[Any], tuple[Any, Any]]:
+        """``x -> (d fn(x)[0] / dx, aux)``."""
+
+    def eval_shape(self, fn: Callable[[Any], Any], x: Any) -> Any:
+        """``fn(x)``'s structure, shapes and dtypes."""
+
+    def stack_map(self, fn: Callable[[Any], Any], n: int, chunk_size: int | None,
+                  like: Any) -> Any:
+        """``fn(i)`` for ``i`` in ``range(n)``, stacked (vectorized, or in chunks)."""
+
+    def basis(self, index: Any, shape: list[int], dtype: Any, like: Any) -> Any:
+        """The one-hot ``e_index`` of ``shape``, broadcast to ``like``'s shape if given."""
+
+    def zeros(self, shape: list[int], dtype: Any, like: Any) -> Any:
+        """Zeros of ``shape`` on ``like``'s device."""
+
+    def zeros_like(self, t: Any) -> Any:
+        """Zeros shaped like ``t``."""
+
+    def reshape(self, t: Any, shape: Any) -> Any:
+        """``t`` reshaped."""
+
+    def moveaxis(self, t: Any, source: int, destination: int) -> Any:
+        """``t`` with axis ``source`` moved to ``destination``."""
+
+    def cast(self, t: Any, dtype: Any) -> Any:
+        """``t`` as ``dtype``."""
+
+    def sum(self, t: Any) -> Any:  # noqa: A003 - the primitive's name in every backend module
+        """The sum of every element of ``t``."""
+
+
+__all__ = ["Backend", "Engine", "JacobianPrimitives", "Trainer"]

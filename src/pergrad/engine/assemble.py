@@ -1,7 +1,7 @@
 """The backend-neutral half of every engine: from the recorded calls and the gradients at their
 taps to one :class:`PerExampleResult`.
 
-Each backend's engine (:mod:`pergrad.engine.on_tensorflow`, ``on_jax``, ``on_torch``) does what
+Each backend's engine (``pergrad.backend.{tensorflow,jax,torch}.engine``) does what
 only it can: run the forward pass with taps, take one backward pass of ``L = sum_i l_i`` to every
 tap, and offer a generic rule (per-example VJPs of one layer). What follows is the same math on
 every backend and lives here once:

@@ -1,6 +1,6 @@
 """What the functional engines (JAX, PyTorch) share: one example's call of a layer and one
 example's loss, both through ``stateless_call`` on the variables' values, and the stateless
-scope (``stateless``, ``assign_written``) that ``engine.on_jax`` and ``jacobian._on_torch``
+scope (``stateless``, ``assign_written``) that ``backend.jax.engine`` and ``backend.torch.jacobian``
 run f in. Only the differentiation around them (``jax.grad``, ``torch.func.grad``) differs per
 backend."""
 

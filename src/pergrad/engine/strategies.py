@@ -1,12 +1,9 @@
 """How a batch's per-example gradients are computed: ``auto`` (layer rules, one backward pass)
 and the whole-model baselines ``loop``, ``jacobian`` and ``vmap``, each defined once per backend
-(:mod:`pergrad.engine.on_tensorflow`, :mod:`pergrad.engine.on_jax`,
-:mod:`pergrad.engine.on_torch`), all returning a
+(``engine`` of each backend package: :func:`pergrad.backend.part`), all returning a
 :class:`PerExampleResult`."""
 
 from __future__ import annotations
-
-import importlib
 
 from pergrad import backend
 from pergrad.engine.losses import weighted_losses
@@ -18,8 +15,8 @@ STRATEGIES = ("auto", "vmap", "jacobian", "loop")
 
 def engine_module():
     """The running backend's engine module."""
-    name = backend.require_supported("pergrad's engine", backend.ENGINE_SUPPORTED)
-    return importlib.import_module(f"pergrad.engine.on_{name}")
+    backend.require_supported("pergrad's engine", backend.ENGINE_SUPPORTED)
+    return backend.part("engine")
 
 
 def run(strategy: str, model, plan: Plan, loss_fn, x, y, sample_weight, training: bool,

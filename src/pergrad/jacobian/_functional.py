@@ -1,5 +1,5 @@
 """`pergrad.jacobian` on the functional backends, JAX and PyTorch: the math of `_modes` on
-a backend's ``vjp``, ``jvp``, ``grad`` and ``vmap`` (`_on_jax`: ``jax.*``; `_on_torch`:
+a backend's ``vjp``, ``jvp``, ``grad`` and ``vmap`` (``backend.jax.jacobian``: ``jax.*``; ``backend.torch.jacobian``:
 ``torch.func.*``), each module giving the same few primitives (:func:`_backend`).
 
 Everything else (argument checks, argnums, the mode rule, leaf names, shape and output checks,
@@ -7,7 +7,7 @@ the nesting of blocks, the per-f cache) is shared with TensorFlow; only what fol
 
 **State.** A compiled computation reads the values of the Keras variables f uses (a Keras
 layer's ``variables``, and any other variable f was seen to read) as arguments: on JAX those of
-its ``jax.jit`` (:func:`pergrad.engine.on_jax.compile_function`), so new weights are read at
+its ``jax.jit`` (:func:`pergrad.backend.jax.engine.compile_function`), so new weights are read at
 every call without retracing, never baked in as constants; on PyTorch, which runs eagerly, a
 copy of their current values at every call, detached from autograd (the weights are constants
 of the derivative, and a pullback kept past the call keeps the values it ran with). The
@@ -36,7 +36,7 @@ from typing import Any
 
 import keras
 
-from pergrad.backend import is_jax
+from pergrad import backend
 from pergrad.jacobian._call import make_caller, primal_args
 from pergrad.jacobian._compile import compiled_for
 from pergrad.jacobian._structure import (
@@ -58,13 +58,7 @@ def _backend() -> ModuleType:
     """The running backend's primitives: ``compile``, ``is_array``, ``is_float_array``,
     ``detach``, ``vjp``, ``jvp``, ``grad``, ``stack_map``, ``eval_shape``, ``basis``,
     ``zeros_like``, ``zeros``, ``reshape``, ``moveaxis``, ``cast``, ``as_array``, ``sum``."""
-    if is_jax():
-        from pergrad.jacobian import _on_jax
-
-        return _on_jax
-    from pergrad.jacobian import _on_torch
-
-    return _on_torch
+    return backend.part("jacobian")
 
 
 # -- Keras variables as values ----------------------------------------------------------------

@@ -1,5 +1,5 @@
 """Pieces of ``PerExampleModel.fit`` that the backends' trainers share (:class:`Trainer` of
-:mod:`pergrad.keras.tf_step`, :mod:`pergrad.keras.jax_step` and :mod:`pergrad.keras.torch_step`):
+:mod:`pergrad.backend.tensorflow.trainer`, :mod:`pergrad.backend.jax.trainer` and :mod:`pergrad.backend.torch.trainer`):
 the monitor as a callback, a model's values kept through an error, refused steps."""
 
 from __future__ import annotations

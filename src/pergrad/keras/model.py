@@ -1,8 +1,8 @@
 """``PerExampleModel``: ``model.fit`` whose update aggregates per-example gradients.
 
 The train step is :func:`pergrad.keras.step.train_step`, written once, with the parts of the
-backend (:mod:`~pergrad.keras.tf_step`, :mod:`~pergrad.keras.jax_step`,
-:mod:`~pergrad.keras.torch_step`); this module is the Keras model around it: compiling the loss
+backend (:mod:`~pergrad.backend.tensorflow.trainer`, :mod:`~pergrad.backend.jax.trainer`,
+:mod:`~pergrad.backend.torch.trainer`); this module is the Keras model around it: compiling the loss
 per example, the noise stream and guards' state, and ``fit``/``train_on_batch`` per backend.
 
 Guards for aggregators that bound each example's influence (clipping, DP): on the first batch
@@ -14,7 +14,6 @@ is dropped like a NaN example, so no single example decides whether a DP step ha
 
 from __future__ import annotations
 
-import importlib
 import inspect
 import math
 import warnings
@@ -26,8 +25,9 @@ from keras import ops
 
 from pergrad import aggregate
 from pergrad.aggregate import noise
-from pergrad.backend import ENGINE_SUPPORTED, require_supported
+from pergrad.backend import ENGINE_SUPPORTED, SUPPORTED, require_supported
 from pergrad.backend import name as backend_name
+from pergrad.backend import part as backend_part
 from pergrad.engine import PerExample
 from pergrad.engine.losses import leaf_loss
 from pergrad.keras import fit_parts, logical_batches, step
@@ -87,13 +87,9 @@ def compiled_per_example_loss(loss, loss_weights, output_names, dict_outputs: bo
     return _weighted_leaf(loss, weight), None
 
 
-#: The module of each backend's train-step parts and trainer.
-_STEP_MODULES = {"tensorflow": "tf_step", "jax": "jax_step", "torch": "torch_step"}
-
-
 def _backend_step() -> ModuleType:
-    """The train step's parts for the Keras backend (:data:`_STEP_MODULES`)."""
-    return importlib.import_module(f"pergrad.keras.{_STEP_MODULES[require_supported()]}")
+    """The train step's parts for the Keras backend: its ``pergrad.backend.<name>.trainer``."""
+    return backend_part("trainer")
 
 
 class _Unsupported:
@@ -103,10 +99,10 @@ class _Unsupported:
 
 def _trainer() -> type:
     """The backend's trainer part, a base class of :class:`PerExampleModel` as Keras composes
-    ``Model`` from its backend's trainer (``Trainer`` of :mod:`pergrad.keras.tf_step`,
-    :mod:`~pergrad.keras.jax_step` or :mod:`~pergrad.keras.torch_step`): the mixing state,
+    ``Model`` from its backend's trainer (``Trainer`` of :mod:`pergrad.backend.tensorflow.trainer`,
+    :mod:`~pergrad.backend.jax.trainer` or :mod:`~pergrad.backend.torch.trainer`): the mixing state,
     what ``compile`` resets, ``fit`` and ``train_on_batch``."""
-    if backend_name() not in _STEP_MODULES:
+    if backend_name() not in SUPPORTED:
         return _Unsupported
     return _backend_step().Trainer
 
@@ -307,6 +303,6 @@ class PerExampleModel(_trainer(), keras.Model):
 
     def train_step(self, *args):
         """One step: ``train_step(data) -> logs`` on TensorFlow and PyTorch
-        (:mod:`pergrad.keras.torch_step`); on JAX Keras's functional ``train_step(state, data)
-        -> (logs, state)`` (:mod:`pergrad.keras.jax_step`)."""
+        (:mod:`pergrad.backend.torch.trainer`); on JAX Keras's functional ``train_step(state, data)
+        -> (logs, state)`` (:mod:`pergrad.backend.jax.trainer`)."""
         return _backend_step().train_step(self, *args)

@@ -13,8 +13,8 @@ One step on a batch ``(x_i, y_i, w_i)`` of ``B`` rows:
 5. Keras's loss and metrics with non-finite rows weighted out; the monitor's statistics;
    ``optimizer.apply``.
 
-What differs per backend comes from ``on``, one of :mod:`pergrad.keras.tf_step`,
-:mod:`~pergrad.keras.jax_step` and :mod:`~pergrad.keras.torch_step`, each a thin trainer part:
+What differs per backend comes from ``on``, one of :mod:`pergrad.backend.tensorflow.trainer`,
+:mod:`~pergrad.backend.jax.trainer` and :mod:`~pergrad.backend.torch.trainer`, each a thin trainer part:
 
 * ``check_example_mixing(model, engine, x, y, sample_weight) -> checks``: the first-batch check
   (an assertion run before any state changes on TensorFlow, a gate on JAX, an error on PyTorch);
@@ -69,7 +69,7 @@ REFUSED_MESSAGE = (
 
 def train_step(model, data, on: ModuleType) -> dict:
     """One step of ``model`` (a ``PerExampleModel``) on ``data``, changing its variables in
-    place (on JAX inside the stateless scope of :mod:`pergrad.keras.jax_step`); the logs."""
+    place (on JAX inside the stateless scope of :mod:`pergrad.backend.jax.trainer`); the logs."""
     x, y, sample_weight, indices = unpack(model, data)
     engine = model.per_example()
     checks = on.check_example_mixing(model, engine, x, y, sample_weight)

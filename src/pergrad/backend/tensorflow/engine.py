@@ -9,6 +9,7 @@ from typing import Any
 import tensorflow as tf
 
 from pergrad._compat import autocast_scope, call_takes_training
+from pergrad.backend.tensorflow.generic import draws_random, generic_forms, recorded_vjps
 from pergrad.engine.assemble import (
     add_rows,
     assembled_result,
@@ -16,7 +17,6 @@ from pergrad.engine.assemble import (
     in_groups,
     materialized_result,
 )
-from pergrad.engine.generic import draws_random, generic_forms, recorded_vjps
 from pergrad.engine.intercept import record_calls
 from pergrad.engine.losses import weighted_losses
 from pergrad.engine.plan import Plan

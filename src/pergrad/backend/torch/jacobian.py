@@ -34,6 +34,7 @@ import numpy as np
 import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
+import pergrad
 from pergrad._compat import torch_convolutions_in_vmap
 from pergrad.engine.functional import assign_written, stateless
 from pergrad.jacobian._structure import num_elements
@@ -243,7 +244,7 @@ def _warn_unvectorized(err: RuntimeError, n: int) -> None:
         "run one at a time instead (the same numbers, slower).", stacklevel=_caller_level())
 
 
-_PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+_PACKAGE = os.path.dirname(os.path.abspath(pergrad.__file__))  # the frames to step over
 
 
 def _caller_level() -> int:

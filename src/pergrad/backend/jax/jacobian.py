@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pergrad.engine.on_jax import compile_function
+from pergrad.backend.jax.engine import compile_function
 from pergrad.jacobian._structure import num_elements
 
 TRACES = True  # `compile` traces its body once per shape: `trace_count` counts the traces
