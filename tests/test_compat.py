@@ -73,6 +73,22 @@ def test_compiled_loss_and_loss_tracker():
     assert isinstance(_compat.compiled_metrics(model), keras.metrics.Metric)
 
 
+def test_update_compiled_metrics_weights_the_unweighted_metrics_by_the_given_rows():
+    """Keras gives ``metrics=`` no weight and ``weighted_metrics=`` the sample weight; the helper
+    gives the first a row mask (padding rows left out) and the second the sample weight."""
+    model = keras.Sequential([keras.Input((3,)), L.Dense(2)])
+    model.compile(optimizer="sgd", loss="mse", metrics=["mae"], weighted_metrics=["mse"])
+    y_pred = np.array([[1.0, 1.0], [2.0, 2.0], [5.0, 5.0], [9.0, 9.0]], "float32")
+    y_true = np.zeros((4, 2), "float32")
+    rows = np.array([1.0, 1.0, 1.0, 0.0], "float32")  # the last row is padding
+    weight = np.array([1.0, 2.0, 1.0, 0.0], "float32")
+    container = _compat.compiled_metrics(model)
+    _compat.update_compiled_metrics(container, y_true, y_pred, weight, rows)
+    got = {k: float(keras.ops.convert_to_numpy(v)) for k, v in model.get_metrics_result().items()}
+    assert got["mae"] == pytest.approx((1 + 2 + 5) / 3)  # the padding row (9) left out
+    assert got["mse"] == pytest.approx((1 + 2 * 4 + 25) / 4)  # Keras: sum w_i l_i / sum w_i
+
+
 @pytest.mark.tensorflow_only(reason=(
     "the tf.Variable behind a Keras variable, the tf.function graph, TensorBoard's "
     "SummaryMetadata (TensorFlow's private names)"))

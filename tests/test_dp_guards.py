@@ -237,9 +237,6 @@ def test_a_monitor_on_a_dp_model_warns_that_it_is_not_private():
 
 # -- metrics do not count padding rows --------------------------------------------------------------
 
-@pytest.mark.only_on("tensorflow", "torch", reason=(
-    "pergrad bug on JAX: zero-weight rows count in unweighted metrics= (backend/jax/trainer.py kept_rows is "
-    "None), contrary to docs/privacy.md and docs/training.md"))
 def test_zero_weight_rows_do_not_count_in_unweighted_metrics(rng):
     """Poisson padding rows (weight 0) used to count in ``metrics=["accuracy"]``."""
     inner = keras.Sequential([keras.Input((6,)), keras.layers.Dense(4)])

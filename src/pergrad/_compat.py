@@ -97,6 +97,29 @@ def compiled_metrics(model: Any) -> Any:
     return model._compile_metrics
 
 
+def update_compiled_metrics(container: Any, y_true: Any, y_pred: Any, sample_weight: Any,
+                            unweighted_weight: Any) -> None:
+    """``CompileMetrics.update_state(y_true, y_pred, sample_weight)``, except that the
+    unweighted ``metrics=`` are given ``unweighted_weight`` (Keras gives them none): a 0/1 row
+    mask there leaves rows out of them without changing any shape. Reads the container's
+    ``_flatten_y``, ``_flat_metrics`` and ``_flat_weighted_metrics``."""
+    if not container.built:
+        container.build(y_true, y_pred)
+    y_true, y_pred = container._flatten_y(y_true), container._flatten_y(y_pred)
+
+    def per_output(weight: Any) -> list:
+        if weight is None:
+            return [None] * len(y_true)
+        weights = container._flatten_y(weight)
+        return weights if len(weights) == len(y_true) else [weights[0]] * len(y_true)
+
+    for flat, weights in ((container._flat_metrics, per_output(unweighted_weight)),
+                          (container._flat_weighted_metrics, per_output(sample_weight))):
+        for metric, y_t, y_p, w in zip(flat, y_true, y_pred, weights, strict=False):
+            if metric:
+                metric.update_state(y_t, y_p, w)
+
+
 def loss_tracker(model: Any) -> Any:
     """The ``Mean`` metric behind the ``loss`` entry of Keras's logs (``Model._loss_tracker``)."""
     return model._loss_tracker

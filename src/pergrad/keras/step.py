@@ -41,7 +41,12 @@ import keras
 from keras import ops
 
 from pergrad import aggregate
-from pergrad._compat import compiled_loss, compiled_metrics, loss_tracker
+from pergrad._compat import (
+    compiled_loss,
+    compiled_metrics,
+    loss_tracker,
+    update_compiled_metrics,
+)
 from pergrad.aggregate import noise
 from pergrad.backend import native
 from pergrad.backend.ops import add_n, vjp, zero_rows
@@ -287,9 +292,10 @@ def report(model, x, y, result, sample_weight, dropped, replicas: int = 1,
     the compiled metrics, Keras's compiled loss and metrics run again on predictions whose
     non-finite rows are zeroed and weighted 0.
 
-    Rows of weight 0 (Poisson padding, dropped examples) count in no weighted metric;
-    ``kept_rows(structure, counted)`` may also remove them (TensorFlow and PyTorch do, so the
-    unweighted ``metrics=`` skip them too; JAX keeps static shapes). Keras scales each
+    Rows of weight 0 (Poisson padding, dropped examples) count in no metric: ``kept_rows(
+    structure, counted)`` removes them (TensorFlow, PyTorch); where it is ``None`` (JAX keeps
+    static shapes) the unweighted ``metrics=`` get the counted rows as their weight instead
+    (a model that overrides ``compute_metrics`` gets Keras's call there). Keras scales each
     replica's loss by ``1 / replicas``; its tracker is given the loss times ``replicas``."""
     batch = result.batch_size
     model.dropped_examples.update_state(dropped)
@@ -317,6 +323,13 @@ def report(model, x, y, result, sample_weight, dropped, replicas: int = 1,
         y, y_pred, weight = (map_keeping_masks(lambda t: kept_rows(t, counted), s,
                                                on_mask=lambda m: kept_rows(m, counted))
                              for s in (y, y_pred, weight))
+    elif type(model).compute_metrics is keras.Model.compute_metrics \
+            and compiled_metrics(model) is not None:
+        # Static shapes (JAX): the rows stay, and the unweighted metrics= get the counted rows
+        # as their weight, which leaves the others out of every Keras metric.
+        rows = loss_weights(ops.cast(counted, "float32"), y_pred)
+        update_compiled_metrics(compiled_metrics(model), y, y_pred, weight, rows)
+        return model.get_metrics_result()
     return model.compute_metrics(x, y, y_pred, sample_weight=weight)
 
 
