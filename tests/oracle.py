@@ -16,7 +16,7 @@ def take(structure, i: int):
                                     structure)
 
 
-def _jax_loop_gradients(model, loss_fn, x, y, sample_weight, training, compiled=False):
+def _jax_loop_gradients(model, loss_fn, x, y, sample_weight, training, compiled=True):
     import jax
 
     batch = len(keras.tree.flatten(x)[0])
@@ -67,12 +67,13 @@ def _torch_loop_gradients(model, loss_fn, x, y, sample_weight, training):
 
 
 def loop_gradients(model, loss_fn, x, y=None, sample_weight=None, training=False,
-                   compiled=False):
+                   compiled=True):
     """Per-example gradients ``(B, *var.shape)`` and losses ``(B,)`` by a Python loop.
 
     ``loss_fn(y_true, y_pred)`` must return the loss of the single example as a (1, ...) tensor;
     it is summed to a scalar here. ``compiled``: on JAX, each example's gradient runs under one
-    ``jax.jit`` (faster for big models; still one example at a time).
+    ``jax.jit``, compiled once for every example (one example at a time still; eager JAX
+    dispatches op by op, 5-6x slower on the zoo's recurrent and attention models).
     """
     if keras.backend.backend() == "jax":
         return _jax_loop_gradients(model, loss_fn, x, y, sample_weight, training, compiled)

@@ -178,7 +178,7 @@ def _assert_matches_oracle(model, loss, x, y) -> None:
     # pergrad alike.
     tols = [1e-9 if keras.backend.standardize_dtype(v.dtype) == "float64" else 1e-6
             for v in model.trainable_variables]
-    expected, _ = loop_gradients(model, keras_loss(loss), x, y, compiled=True)
+    expected, _ = loop_gradients(model, keras_loss(loss), x, y)
     scale = max(np.max(np.abs(e)) for e in expected)
     grads = pex.gradients(x, y)
     assert len(grads) == len(model.trainable_variables)
@@ -236,7 +236,7 @@ def test_rms_normalizations_take_their_rule(exact_float64, rng):
     assert all(id(norm) in ruled for norm in norms), pex.plan.describe()
     assert not pex.plan.generic and not pex.plan.residual, pex.plan.describe()
 
-    expected, _ = loop_gradients(model, keras_loss(SCCE), x, y, compiled=True)
+    expected, _ = loop_gradients(model, keras_loss(SCCE), x, y)
     scale = max(np.max(np.abs(e)) for e in expected)
     for g, e, v in zip(pex.gradients(x, y), expected, model.trainable_variables, strict=True):
         _assert_close(g, e, 1e-9, scale, v.path)
