@@ -45,9 +45,6 @@ def _centered_loss(y, p):
 
 @pytest.mark.parametrize("aggregator", [aggregate.clip_mean(1.0), aggregate.dp_mean(1.0, 1.0),
                                         aggregate.normalized_mean()])
-@pytest.mark.only_on("tensorflow", "torch", reason=(
-    "pergrad bug on JAX: its MixesExamplesError lacks the measured 'Relative difference: ... "
-    "(tolerance ...)' (backend/jax/trainer.py check_example_mixing keeps only the 0/1/2 status)"))
 def test_a_mixing_layer_is_refused_before_any_update(rng, aggregator):
     inner = _mixing_model()
     before = inner.get_weights()

@@ -5,6 +5,7 @@ the monitor as a callback, a model's values kept through an error, refused steps
 from __future__ import annotations
 
 import inspect
+import math
 
 import keras
 
@@ -107,10 +108,17 @@ def require_shared_seed(aggregator) -> None:
 
 
 def raise_if_refused(logs: dict) -> None:
-    """Pop the JAX step's mixing status from ``logs``; raise if the step was refused."""
+    """Pop the JAX step's mixing status (and the check's measured relative difference and
+    tolerance) from ``logs``; raise if the step was refused."""
     status = logs.pop("example_mixing_status", None)
-    if status is not None and int(status) == 2:
-        raise MixesExamplesError(step.REFUSED_MESSAGE)
+    difference = logs.pop("example_mixing_difference", None)
+    tolerance = logs.pop("example_mixing_tolerance", None)
+    if status is None or int(status) != 2:
+        return
+    detail = ""
+    if difference is not None and math.isfinite(float(difference)):
+        detail = f" Relative difference: {float(difference):.3g} (tolerance {float(tolerance):.1g})."
+    raise MixesExamplesError(step.REFUSED_MESSAGE + detail)
 
 
 class MixingRefusal(keras.callbacks.Callback):

@@ -6,15 +6,17 @@ its value in ``state`` with one ``keras.StatelessScope``, runs the one train ste
 (:func:`pergrad.keras.step.train_step`: engine, aggregator, DP noise from the model's
 ``noise_state``, regularization, metrics, ``optimizer.apply``) with this module's JAX parts,
 and returns every variable's value at the end as the new state. Rows of weight 0 stay in the
-batch (static shapes): they count in no weighted metric, but in the unweighted ``metrics=``.
+batch (static shapes): the unweighted ``metrics=`` get the kept rows as their weight, so they
+count in no metric (:func:`pergrad.keras.step.report`).
 
 The first-batch example-mixing check cannot raise inside a compiled function, so it *gates*
 the step: the model's ``example_mixing_status`` weight goes from 0 (unchecked) to 1 (checked,
 no mixing) or 2 (refused). A refused step returns the state it was given, except that status: no
 weight, optimizer slot, iteration count or noise counter moves, and no noise is drawn into
-anything released. After the step the status is read on the host and
-:class:`pergrad.MixesExamplesError` is raised (``fit`` through a callback, ``train_on_batch``
-directly); every later step with status 2 is refused the same way.
+anything released. After the step the status (and the measured relative difference, with its
+tolerance, in the logs) is read on the host and :class:`pergrad.MixesExamplesError` is raised
+(``fit`` through a callback, ``train_on_batch`` directly); every later step with status 2 is
+refused the same way.
 
 A monitor (``PerExampleModel(monitor=...)``) is called inside the step with the step's
 ``PerExampleResult``, like on TensorFlow; its scalars join the logs. ``GradientMonitor`` keeps
@@ -25,6 +27,7 @@ its counters and tables on the host (ordered ``io_callback``s, see
 from __future__ import annotations
 
 import sys
+import threading
 from typing import Any
 
 import jax
@@ -68,7 +71,10 @@ def train_step(model, state, data) -> tuple[dict, tuple]:
     for variables, old, new in zip(groups, state, new_state, strict=True):
         gated.append([n if v is status else jnp.where(refused, o, n)
                       for v, o, n in zip(variables, old, new, strict=True)])
-    logs = {**logs, "example_mixing_status": _current(scope, status)}
+    difference, tolerance = getattr(_MEASURED, "value", (jnp.nan, jnp.nan))
+    _MEASURED.value = (jnp.nan, jnp.nan)
+    logs = {**logs, "example_mixing_status": _current(scope, status),
+            "example_mixing_difference": difference, "example_mixing_tolerance": tolerance}
     return logs, tuple(gated)
 
 
@@ -117,6 +123,11 @@ def monitor(model, result, indices, sample_weight, extras: dict) -> dict:
     return jax.lax.cond(ops.convert_to_tensor(status.value) == REFUSED, refused, run)
 
 
+#: The step being traced: the mixing check's measured relative difference and its tolerance
+#: (:func:`check_example_mixing` sets it, :func:`train_step` puts it in the logs).
+_MEASURED = threading.local()
+
+
 def check_example_mixing(model, engine, x, y, sample_weight) -> list:
     """On the first batch (status 0), set the status to 1 or, if an example's loss depends on
     another example, to 2. One ``lax.cond``: later steps skip the check's forward passes.
@@ -131,10 +142,14 @@ def check_example_mixing(model, engine, x, y, sample_weight) -> list:
         mapping = [(v, v.value) for v in model.variables]
         with keras.StatelessScope(state_mapping=mapping):
             error = engine.example_mixing(x, y, sample_weight)
-        return jnp.where(error <= tolerance, CHECKED, REFUSED).astype(status.dtype)
+        return (jnp.where(error <= tolerance, CHECKED, REFUSED).astype(status.dtype),
+                error.astype(jnp.float32))
 
     current = ops.convert_to_tensor(status.value)
-    status.assign(jax.lax.cond(current == UNCHECKED, check, lambda: current))
+    new_status, difference = jax.lax.cond(
+        current == UNCHECKED, check, lambda: (current, jnp.full((), jnp.nan, jnp.float32)))
+    status.assign(new_status)
+    _MEASURED.value = (difference, jnp.float32(tolerance))
     return []
 
 
