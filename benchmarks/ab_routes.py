@@ -1,22 +1,23 @@
 """One route of the rules against another, in one process.
 
 Two ``PerExample`` objects over the same model and batch: one traced as usual, one traced with
-a route switched off (``--switch``; most switches are fields of the backend's route profile,
-forced with ``pergrad.backend.routes.forced``):
+a route switched off (``--switch``; each switch is a field of the backend's route profile,
+:class:`pergrad.backend.routes.Routes`, forced with ``pergrad.backend.routes.forced``; nothing
+is patched):
 
 * ``folded``: no folded products (``Routes.folded_conv_products``), so strided convolutions
   take the patch route;
 * ``one_pass_norms``: TensorFlow's per-example squared norms of built per-example matrices sum
   the squares (``Square`` then ``Sum``) instead of squaring one ``EuclideanNorm`` reduction
-  (``pergrad.backend.ops.row_squared_norms``);
+  (``Routes.one_pass_row_norms``);
 * ``pairwise_rows``: an embedding table's per-example norms take ``tf.unique`` and two segment
   sums rather than the pairwise form (``Routes.embedding_pairwise_max_positions``);
 * ``shifted_ghost``: a stride-1 convolution's norms alone take its per-example products
-  rather than the shifted Gram of its input (``pergrad.rules.cost.shifted_ghost_wins``);
+  rather than the shifted Gram of its input (``Routes.shifted_ghost_norms``);
 * ``xla_filter_sum``: on JAX, a one-dimensional stride-1 convolution's batch kernel gradient
   takes the GEMMs over shifted slices rather than XLA's filter gradient, and a clipped sum's
   norms the per-example products rather than the shifted ghost route
-  (``pergrad.rules.cost.xla_filter_gradient_wins``);
+  (``Routes.conv_filter_gradient_sums="never"`` instead of ``"when_xla_wins"``);
 * ``lazy_patches``: on PyTorch, a convolution's patches are built as its rule starts, read or
   not, as before they were deferred (``Routes.eager``, ``pergrad.rules.forms.Deferred``);
 * ``torch_grouped``: on PyTorch, the grouped filter gradient's route
@@ -28,14 +29,14 @@ forced with ``pergrad.backend.routes.forced``):
   JAX);
 * ``xla_outer``: on TensorFlow, a one-position layer's per-example kernel gradients (a Dense
   layer's outer products) written by TensorFlow's broadcasting ``Mul`` rather than one nested
-  XLA computation (``pergrad.backend.ops.outer_products``);
+  XLA computation (``Routes.nested_xla_outer_products``);
 * ``xla_rows``: on TensorFlow, an embedding's per-example tables and its weighted sums (clipped
   and DP sums) added by ``UnsortedSegmentSum`` rather than one nested XLA computation
-  (``pergrad.backend.ops.segment_sum``; on PyTorch Keras's ``segment_sum`` rather than
-  ``index_add_``);
+  (``Routes.native_segment_sums``; on PyTorch Keras's ``segment_sum``, which adds float64 in
+  float32, rather than ``index_add_``);
 * ``direct_products``: materialized per-example gradients (``gradients``) transposed from the
   ``D^T A`` products the norms use rather than multiplied as ``A^T D`` in the variable's order
-  (``pergrad.rules.forms.Factored._products_in_variable_order``);
+  (``Routes.products_in_variable_order``);
 * ``grouped``: on TensorFlow, a convolution that takes one grouped filter gradient with the
   batch as groups for its per-example products (wide enough patches, or the shifted route's
   geometry with few channels) takes the patches or the shifted products instead
@@ -75,42 +76,25 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import importlib
 
 import keras
 
 import pergrad
-from pergrad.backend import ops as backend_ops
 from pergrad.backend import routes
-from pergrad.backend.lazy import tensorflow as tf
 from pergrad.bench.engine import LOSS
 from pergrad.bench.models import MODELS, batch, twin
 from pergrad.bench.timing import alternating_medians, print_ratios
-from pergrad.rules import conv, forms
-
-
-@contextlib.contextmanager
-def _replaced(module, name: str, value):
-    original = getattr(module, name)
-    setattr(module, name, value)
-    try:
-        yield
-    finally:
-        setattr(module, name, original)
-
 
 #: ``--switch`` name: (label with the route, label without it, context that switches it off).
 SWITCHES = {
     "folded": ("folded", "patches",
                lambda: routes.forced(folded_conv_products=False)),
     "one_pass_norms": ("one pass", "square+sum",
-                       lambda: _replaced(importlib.import_module("pergrad.backend.tensorflow.ops"),
-                                         "_euclidean_row_squared_norms",
-                                         lambda flat: tf.reduce_sum(tf.square(flat), axis=1))),
+                       lambda: routes.forced(one_pass_row_norms=False)),
     "pairwise_rows": ("pairwise", "unique",
                       lambda: routes.forced(embedding_pairwise_max_positions=None)),
     "shifted_ghost": ("shifted ghost", "products",
-                      lambda: _replaced(conv, "shifted_ghost_wins", lambda *a, **k: False)),
+                      lambda: routes.forced(shifted_ghost_norms=False)),
     "grouped": ("grouped", "patches",
                 lambda: routes.forced(grouped_conv=None)),
     "lazy_patches": ("deferred patches", "patches first",
@@ -122,16 +106,13 @@ SWITCHES = {
     "torch_depthwise": ("native depthwise", "depthwise einsum",
                         lambda: routes.forced(depthwise_products="einsum")),
     "xla_filter_sum": ("filter+ghost", "products",
-                       lambda: _replaced(conv, "xla_filter_gradient_wins",
-                                         lambda *a, **k: False)),
+                       lambda: routes.forced(conv_filter_gradient_sums="never")),
     "xla_outer": ("xla outer", "broadcast mul",
-                  lambda: _replaced(forms, "outer_products",
-                                    backend_ops.broadcast_outer_products)),
+                  lambda: routes.forced(nested_xla_outer_products=False)),
     "xla_rows": ("xla rows", "segment sum",
-                 lambda: _replaced(forms, "segment_sum", keras.ops.segment_sum)),
+                 lambda: routes.forced(native_segment_sums=False)),
     "direct_products": ("A^T D", "D^T A+transpose",
-                        lambda: _replaced(forms.Factored, "_blocks_built_here",
-                                          lambda self: True)),
+                        lambda: routes.forced(products_in_variable_order=False)),
 }
 
 

@@ -81,6 +81,21 @@ class Routes:
         grouped_conv: where a convolution's per-example products come from one native
             grouped filter gradient (:class:`GroupedConv`), ``None`` where the backend has no
             such kernel worth taking (XLA).
+        shifted_ghost_norms: a stride-1 convolution's norms alone may take the shifted ghost
+            route, where :func:`pergrad.rules.cost.shifted_ghost_wins` says so (every backend).
+        products_in_variable_order: materialized per-example gradients of a factored weight
+            are multiplied as ``A^T D`` in the variable's order rather than transposed from the
+            ``D^T A`` products the norms use, unless those were built already (every backend).
+        one_pass_row_norms: per-example squared norms of built per-example matrices square
+            one ``EuclideanNorm`` reduction instead of summing the squares
+            (:func:`Backend.row_squared_norms`; TensorFlow).
+        nested_xla_outer_products: a one-position layer's per-example kernel gradients (outer
+            products) are one nested XLA computation instead of a broadcasting ``Mul``
+            (:func:`Backend.outer_products`; TensorFlow).
+        native_segment_sums: segment sums (an embedding's per-example tables and weighted
+            sums) take the backend's fastest kernel (TensorFlow: a nested XLA computation;
+            PyTorch: ``index_add_``, which also keeps float64) instead of Keras's
+            ``ops.segment_sum`` (:func:`Backend.segment_sum`).
     """
 
     eager: bool
@@ -99,6 +114,11 @@ class Routes:
     embedding_norms: str
     embedding_pairwise_max_positions: int | None
     grouped_conv: GroupedConv | None
+    shifted_ghost_norms: bool = True
+    products_in_variable_order: bool = True
+    one_pass_row_norms: bool = False
+    nested_xla_outer_products: bool = False
+    native_segment_sums: bool = True
 
 
 #: TensorFlow: native kernels for padding, patches, filter gradients (folded, grouped,
@@ -122,6 +142,8 @@ TENSORFLOW = Routes(
     embedding_pairwise_max_positions=64,
     grouped_conv=GroupedConv(spatial_ranks=(1, 2), min_patch_width=36, max_patch_width=None,
                              max_channels=31),
+    one_pass_row_norms=True,
+    nested_xla_outer_products=True,
 )
 
 #: JAX (XLA): GEMMs and einsums over patches or shifted slices, chunks of examples under

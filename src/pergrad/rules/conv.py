@@ -209,7 +209,7 @@ def _kernel_form(layer, x, d) -> Factored:
         def per_example():
             return _shifted_products(layer, x, d)
     ghost_norms = None
-    if per_example is not None and static and shifted_ghost_wins(
+    if per_example is not None and static and routes.shifted_ghost_norms and shifted_ghost_wins(
             _read_positions(layer, x), static_or_none(t), c_in, c_out, k):
         def ghost_norms():  # norms alone (and, on JAX with its filter gradient, before sums)
             return _shifted_ghost_norms(layer, x, d)

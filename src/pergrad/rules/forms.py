@@ -225,7 +225,8 @@ class Factored:
             # layout (they are memory-bound: B I O floats for a Dense kernel).
             a = ops.transpose(self.a[:, 0], [0, 2, 1])  # (B, I, G); G is 1 for Dense
             m = outer_products(a, self.d[:, 0])
-        elif self.per_example is None and not self._blocks_built_here():
+        elif (self.per_example is None and native().ROUTES.products_in_variable_order
+              and not self._blocks_built_here()):
             m = self._products_in_variable_order()
         else:
             m = ops.transpose(self._per_example_matrices(), [0, 3, 1, 2])  # (B, I, G, O)

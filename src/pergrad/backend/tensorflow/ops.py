@@ -26,8 +26,8 @@ def outer_products(a: Any, d: Any) -> Any:
     """``m[b, i, g, o] = a[b, i, g] d[b, g, o]``: TensorFlow's broadcasting ``Mul`` writes them
     at about half the speed of memory, one small XLA computation in about half the time, so the
     product is a nested ``tf.function(jit_compile=True)`` unless the graph is compiled by XLA
-    already."""
-    if _nested_xla_wanted():
+    already (``Routes.nested_xla_outer_products``)."""
+    if _routes().nested_xla_outer_products and _nested_xla_wanted():
         return _xla_outer_products()(a, d)
     return broadcast_outer_products(a, d)
 
@@ -39,8 +39,9 @@ def _xla_outer_products() -> Callable[[Any, Any], Any]:
 
 def segment_sum(values: Any, segments: Any, num_segments: Any) -> Any:
     """``out[n] = sum_{k: segments[k] = n} values[k]``: one small XLA computation (nested, unless
-    the graph is compiled by XLA already), faster than ``UnsortedSegmentSum``."""
-    if _nested_xla_wanted():
+    the graph is compiled by XLA already), faster than ``UnsortedSegmentSum``
+    (``Routes.native_segment_sums``)."""
+    if _routes().native_segment_sums and _nested_xla_wanted():
         return _xla_segment_sum()(values, segments, num_segments)
     return ops.segment_sum(values, segments, num_segments)
 
@@ -48,6 +49,14 @@ def segment_sum(values: Any, segments: Any, num_segments: Any) -> Any:
 @functools.cache
 def _xla_segment_sum() -> Callable[[Any, Any, Any], Any]:
     return tf.function(tf.math.unsorted_segment_sum, jit_compile=True, reduce_retracing=True)
+
+
+def _routes():
+    """This package's route profile as it stands now (``pergrad.backend.routes.forced`` swaps
+    it for an A/B run)."""
+    from pergrad.backend import tensorflow as package  # this module's own package
+
+    return package.ROUTES
 
 
 def _nested_xla_wanted() -> bool:
@@ -74,9 +83,11 @@ def row_squared_norms(t: Any) -> Any:
     again; one ``EuclideanNorm`` reduction, squared, reads ``t`` once (the result differs by
     about one ulp). Its gradient is set to ``2 t`` (the square of a square root has none at a
     zero row). XLA has no ``EuclideanNorm`` kernel and fuses the two ops itself, so under
-    ``jit_compile=True`` and for other dtypes the squares are summed."""
+    ``jit_compile=True``, for other dtypes and where ``Routes.one_pass_row_norms`` is off the
+    squares are summed."""
     flat = ops.reshape(t, [batch_size(t), -1])
-    if dtype_of(t) in ("float32", "float64") and not tracing_for_xla():
+    if (_routes().one_pass_row_norms and dtype_of(t) in ("float32", "float64")
+            and not tracing_for_xla()):
         return _euclidean_row_squared_norms(flat)
     return ops.sum(ops.square(flat), axis=1)
 

@@ -25,7 +25,11 @@ def outer_products(a: Any, d: Any) -> Any:
 
 def segment_sum(values: Any, segments: Any, num_segments: Any) -> Any:
     """``index_add_`` adds the rows in place (Keras's ``segment_sum`` copies all the rows again,
-    and adds them in float32)."""
+    and adds them in float32), unless ``Routes.native_segment_sums`` is off."""
+    from pergrad.backend import torch as package  # this module's own package
+
+    if not package.ROUTES.native_segment_sums:
+        return ops.segment_sum(values, segments, num_segments)
     out = torch.zeros((num_segments, *values.shape[1:]), dtype=values.dtype,
                       device=values.device)
     return out.index_add_(0, segments.long(), values)
