@@ -83,6 +83,7 @@ def test_every_ab_switch_is_a_forced_route():
         assert context.func is routes.forced.__wrapped__, name
         assert changes and set(changes) <= fields, name
         with context:
-            assert backend.native().ROUTES == dataclasses.replace(before, **changes), name
+            inside = backend.native().ROUTES
+        assert inside == dataclasses.replace(before, **changes), name
         assert backend.native().ROUTES is before, name
     assert set(SWITCHED_OFF) <= fields
