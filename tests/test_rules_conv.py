@@ -15,6 +15,7 @@ import pergrad
 from pergrad.rules.conv import conv_rule
 from pergrad.rules.cost import SHIFTED_MIN_CHANNELS, folded_products_win, shifted_products_win
 from pergrad.rules.forms import Factored
+from pergrad.rules.query import NORMS_THEN_ROWS, NORMS_THEN_SUMS
 
 L = keras.layers
 B = 4
@@ -135,7 +136,7 @@ def test_shifted_ghost_norms_match_loop_oracle(name, float64, monkeypatch):
     """Norms alone by the shifted Gram of the input (``ghost_norms``, forced here: the cost
     model takes it on larger layers), and every reduction after those norms (Gram matrix,
     weighted sums, dots, gradients), against the loop oracle. A clipped sum's norms
-    (``then_summed``) take the per-example products instead, and read them for the sum."""
+    (``NORMS_THEN_ROWS``) take the per-example products instead, and read them for the sum."""
     from pergrad.rules import conv
 
     monkeypatch.setattr(conv, "shifted_ghost_wins", lambda *args: True)
@@ -149,7 +150,7 @@ def test_shifted_ghost_norms_match_loop_oracle(name, float64, monkeypatch):
     index = [v.path for v in model.trainable_variables].index(layer.kernel.path)
     kernel_norms = np.sum(expected[index].reshape(B, -1) ** 2, axis=1)
     assert_close(form.squared_norms(), kernel_norms, what="ghost squared norms")
-    assert_close(form.squared_norms(then_summed=True), kernel_norms, what="products' norms")
+    assert_close(form.squared_norms(NORMS_THEN_ROWS), kernel_norms, what="products' norms")
 
     rng = np.random.default_rng(11)
     c = rng.normal(size=B)
@@ -189,7 +190,7 @@ def test_filter_gradient_sums_after_shifted_ghost_norms(name, float64, monkeypat
     form = _kernel_form(model, layer, x, y)
     on_jax = keras.backend.backend() == "jax"
     assert form.ghost_before_sums == on_jax
-    form.squared_norms(then_summed=True, sums_only=True)
+    form.squared_norms(NORMS_THEN_SUMS)
     assert form._ghost_taken == on_jax
     assert_rule_matches_oracle(model, layer, rule, x, y)
 
@@ -532,7 +533,7 @@ def test_patches_are_built_only_where_a_route_reads_them(name, float64, monkeypa
         return
     built.clear()
     form = _kernel_form(model, layer, x, y)
-    form.squared_norms(then_summed=True)
+    form.squared_norms(NORMS_THEN_ROWS)
     form.weighted_sum(np.ones(B) / B)
     form.materialize()
     form.gram()
@@ -540,7 +541,7 @@ def test_patches_are_built_only_where_a_route_reads_them(name, float64, monkeypa
     narrow = zoo.conv2d()  # 3 input channels, 3x3 kernel: 27 wide, the patch route
     form = _kernel_form(narrow.model, narrow.model.layers[1], narrow.x, narrow.y)
     assert form.per_example is None and not built
-    form.squared_norms(then_summed=True)
+    form.squared_norms(NORMS_THEN_ROWS)
     form.weighted_sum(np.ones(len(narrow.x)) / len(narrow.x))
     form.materialize()
     assert built == [1]

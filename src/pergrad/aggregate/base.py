@@ -29,6 +29,7 @@ from pergrad import backend
 from pergrad.aggregate.examples import Batch, finite_examples
 from pergrad.aggregate.noise import NoiseSource
 from pergrad.backend.ops import zero_rows
+from pergrad.rules.query import NORMS_THEN_ROWS, NORMS_THEN_SUMS
 
 
 class Partial(NamedTuple):
@@ -166,7 +167,7 @@ def linear_local(coefficients: Callable[[list, Batch], Any], needs_norms: bool):
     def local(result, batch: Batch) -> Partial:
         rows = ops.cast(result.batch_size, result.norm_dtype)
         if needs_norms:
-            squared = result.squared_norms(then_summed=True, sums_only=True)
+            squared = result.squared_norms(NORMS_THEN_SUMS)
             return _linear_with_norms(result, batch, squared, rows)
         ones = ops.ones([result.batch_size], result.norm_dtype)
         sums = result.weighted_sum(coefficients(None, batch) * ones)
@@ -177,7 +178,7 @@ def linear_local(coefficients: Callable[[list, Batch], Any], needs_norms: bool):
 
         def slow():  # rebuilt: only this branch, taken on a non-finite sum, needs norms
             inner = result.rebuilt()
-            squared = inner.squared_norms(then_summed=True, sums_only=True)
+            squared = inner.squared_norms(NORMS_THEN_SUMS)
             partial = _linear_with_norms(inner, batch, squared, rows)
             return list(partial.values), partial.dropped
 
@@ -206,7 +207,7 @@ def gathering_local(result, batch: Batch, with_examples: bool = False) -> Partia
     rows = ops.cast(result.batch_size, result.norm_dtype)
     if _static_value(result.batch_size) == 0:
         require_rows(rows, "gathering (median, trimmed_mean, custom)")
-    squared = result.squared_norms(then_summed=True)
+    squared = result.squared_norms(NORMS_THEN_ROWS)
     keep = finite_examples(result, squared, batch)
     dropped = ops.sum(1.0 - ops.cast(keep, rows.dtype))
     include = ops.logical_and(keep, batch.nonzero_weight)

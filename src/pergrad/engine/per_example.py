@@ -26,6 +26,7 @@ from pergrad.engine.losses import per_example_loss, weighted_losses
 from pergrad.engine.plan import Plan, make_plan
 from pergrad.engine.result import PerExampleResult
 from pergrad.engine.strategies import STRATEGIES, engine_module, run
+from pergrad.rules.query import NORMS_THEN_SUMS
 
 
 def _to_tensors(structure):
@@ -337,7 +338,7 @@ def finite_clipped_sum(result: PerExampleResult, l2_norm_clip) -> tuple[list, An
     exactly as :func:`pergrad.aggregate.base.linear_local` does. The norms are returned as
     computed, non-finite ones included.
     """
-    norms = result.norms(then_summed=True, sums_only=True)
+    norms = result.norms(NORMS_THEN_SUMS)
     keep = ops.logical_and(ops.isfinite(norms), ops.isfinite(result.losses))
     factors = ops.where(keep, clip_factors(norms, l2_norm_clip), ops.zeros_like(norms))
     return result.kept_weighted_sum(factors, keep), norms

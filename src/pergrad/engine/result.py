@@ -16,6 +16,7 @@ from pergrad.rules.forms import (
     squared_norms_of,
     weighted_sums,
 )
+from pergrad.rules.query import NORMS_ALONE, Query
 
 
 @dataclass
@@ -54,26 +55,27 @@ class PerExampleResult:
             for v, f in zip(self.variables, self.forms, strict=True)
         ]
 
-    def squared_norms(self, then_summed: bool = False, sums_only: bool = False) -> list:
+    def squared_norms(self, query: Query = NORMS_ALONE) -> list:
         """Per variable, ``||g_i[var]||^2`` of shape ``(B,)``.
 
-        ``then_summed``: weighted sums or dots of this result follow (clipping, statistics).
-        A form with a cheaper route for norms alone (a convolution's shifted ghost norms,
-        :class:`pergrad.rules.forms.Factored`) then builds the per-example matrices that
-        the sums read instead, unless ``sums_only`` (only weighted sums follow: no dots, no
-        per-example gradients) and the form's own sum is cheap enough to follow its ghost
-        norms (``Factored.ghost_before_sums``)."""
+        ``query`` declares what of this result follows the norms
+        (:class:`pergrad.rules.query.Query`: nothing, weighted sums, or sums and reads of
+        each example's gradient). A form with a cheaper route for norms alone (a
+        convolution's shifted ghost norms, :class:`pergrad.rules.forms.Factored`) builds the
+        per-example matrices that the sums read instead when anything follows, unless only
+        sums follow and the form's own sum is cheap enough to follow its ghost norms
+        (``Factored.ghost_before_sums``)."""
         dtype = self.norm_dtype
         return [
             ops.zeros([self.batch_size], dtype) if f is None
-            else ops.cast(squared_norms_of(f, then_summed, sums_only), dtype)
+            else ops.cast(squared_norms_of(f, query), dtype)
             for f in self.forms
         ]
 
-    def norms(self, then_summed: bool = False, sums_only: bool = False) -> Any:
-        """``||g_i||``: the L2 norm of each example's whole gradient, ``(B,)``
-        (``then_summed``, ``sums_only``: see :meth:`squared_norms`)."""
-        return ops.sqrt(add_n(self.squared_norms(then_summed, sums_only)))
+    def norms(self, query: Query = NORMS_ALONE) -> Any:
+        """``||g_i||``: the L2 norm of each example's whole gradient, ``(B,)`` (``query``:
+        see :meth:`squared_norms`)."""
+        return ops.sqrt(add_n(self.squared_norms(query)))
 
     def dots(self, vectors: list) -> list:
         """Per variable, ``<g_i[var], v[var]>`` of shape ``(B,)``."""

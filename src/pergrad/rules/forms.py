@@ -49,6 +49,7 @@ from pergrad.backend.ops import (
 )
 from pergrad.rules import cost
 from pergrad.rules.cost import prefers_ghost, sums_from_matrices
+from pergrad.rules.query import NORMS_ALONE, Query
 
 Tensor = Any
 
@@ -87,10 +88,10 @@ class Factored:
     per-example squared norms alone by a ghost route the rule knows to be cheaper (a stride-1
     convolution's shifted Gram of its input): ``squared_norms()`` takes it, and dots and
     weighted sums after it read ``a`` and ``d`` (or ``summed``) rather than build the
-    matrices; ``squared_norms(then_summed=True)`` builds the per-example matrices instead,
-    which the sums then read, unless ``ghost_before_sums`` (the rule's ``summed`` is cheap
-    enough that the ghost norms and ``summed`` beat the matrices) and ``sums_only`` (no dots
-    or gradients follow). Without norms, dots and sums route as without ``ghost_norms``.
+    matrices; norms that sums or rows follow (a :class:`pergrad.rules.query.Query`) build the
+    per-example matrices instead, which the sums then read, unless ``ghost_before_sums`` (the
+    rule's ``summed`` is cheap enough that the ghost norms and ``summed`` beat the matrices)
+    and only sums follow (:data:`pergrad.rules.query.NORMS_THEN_SUMS`). Without norms, dots and sums route as without ``ghost_norms``.
     ``remake``, when given, rebuilds the form from the layer's inputs with the rows of examples where ``keep`` is false zeroed
     (``remake(keep)``); :meth:`masked` then uses it, so a masked form computed inside a
     conditional reads only the layer's input and output gradient, not tensors (patches) that
@@ -269,13 +270,12 @@ class Factored:
                    static_or_none(self.d.shape[3]))
         return not prefers_ghost(t, i, o)
 
-    def squared_norms(self, then_summed: bool = False, sums_only: bool = False) -> Tensor:
-        """``||g_i||^2``; ``then_summed``: weighted sums or dots follow, so the rule's
-        ``ghost_norms`` (which would leave them to recompute) gives way to the per-example
-        matrices they read, unless ``sums_only`` (only weighted sums follow) and the rule
-        says ``ghost_before_sums``."""
+    def squared_norms(self, query: Query = NORMS_ALONE) -> Tensor:
+        """``||g_i||^2``. Where sums or rows follow (``query``), the rule's ``ghost_norms``
+        (which would leave them to recompute) gives way to the per-example matrices they read,
+        unless only sums follow and the rule says ``ghost_before_sums``."""
         if self.ghost_norms is not None:
-            if not then_summed or sums_only and self.ghost_before_sums:
+            if query.alone or not query.rows and self.ghost_before_sums:
                 self._ghost_taken = True
                 return self.ghost_norms()
             return add_n([row_squared_norms(m) for m in self._per_example_blocks()])
@@ -432,12 +432,11 @@ class Factored:
                         summed, per_example, remake)
 
 
-def squared_norms_of(form, then_summed: bool = False, sums_only: bool = False) -> Tensor:
-    """``form.squared_norms()``, telling the forms that take it (:class:`Factored`,
-    :class:`Scaled`) whether weighted sums or dots of the same result follow (``then_summed``)
-    and whether only weighted sums do (``sums_only``)."""
-    if then_summed and isinstance(form, (Factored, Scaled)):
-        return form.squared_norms(then_summed=True, sums_only=sums_only)
+def squared_norms_of(form, query: Query = NORMS_ALONE) -> Tensor:
+    """``form.squared_norms()``, telling the forms whose route depends on it
+    (:class:`Factored`, :class:`Scaled`) what follows the norms (``query``)."""
+    if not query.alone and isinstance(form, (Factored, Scaled)):
+        return form.squared_norms(query)
     return form.squared_norms()
 
 
@@ -624,8 +623,8 @@ class Scaled:
     def materialize(self) -> Tensor:
         return self._times(self.inner.materialize())
 
-    def squared_norms(self, then_summed: bool = False, sums_only: bool = False) -> Tensor:
-        return self._times(squared_norms_of(self.inner, then_summed, sums_only), 2)
+    def squared_norms(self, query: Query = NORMS_ALONE) -> Tensor:
+        return self._times(squared_norms_of(self.inner, query), 2)
 
     def dots(self, vector: Tensor) -> Tensor:
         return self._times(self.inner.dots(vector))

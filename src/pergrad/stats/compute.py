@@ -9,6 +9,7 @@ from keras import ops
 from pergrad.backend import ENGINE_SUPPORTED, require_supported
 from pergrad.backend.ops import add_n, divide_no_nan, maximum
 from pergrad.engine import PerExample, PerExampleResult
+from pergrad.rules.query import NORMS_THEN_ROWS
 from pergrad.stats.formulas import batch_statistics, consensus_statistics, cosine
 
 
@@ -84,7 +85,7 @@ def statistics_from_result(result: PerExampleResult, sample_weight: Any = None,
     mask = ops.cast(active, dtype)
     coefficients = mask / maximum(ops.sum(mask), 1)
     # The norms first: a form whose norms build the per-example matrices sums from them.
-    squared_norms_per_var = result.squared_norms(then_summed=True)
+    squared_norms_per_var = result.squared_norms(NORMS_THEN_ROWS)
     squared_norms = add_n(squared_norms_per_var) * mask
     norms = ops.sqrt(squared_norms)
     # The mean gradient G and the consensus of the batch, one vote per example,
