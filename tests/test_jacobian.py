@@ -776,6 +776,17 @@ def test_bench_jacobian_runs_on_torch_and_agrees_with_its_baselines():
     assert "x vs torch.func jacrev" in bench.markdown(rows)
 
 
+@pytest.mark.skipif(ON_JAX, reason="bench_jacobian has no JAX baselines")
+def test_bench_jacobian_header_names_the_framework_and_its_version():
+    """``python benchmarks/bench_jacobian.py`` printed its header after the run from
+    ``tf.__version__``, which the lazy TensorFlow module does not forward: it failed there."""
+    from pergrad.bench import jacobian as bench
+
+    line = bench.header()
+    framework = "PyTorch" if ON_TORCH else "TensorFlow"
+    assert line.startswith(framework + " ") and keras.__version__ in line
+
+
 @tf_only
 @pytest.mark.parametrize("mode", ["rev", "fwd"])
 def test_unknown_batch_output_mismatch_fails_at_run_time(mode):

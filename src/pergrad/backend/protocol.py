@@ -232,33 +232,31 @@ class Trainer(Protocol):
         """``optimizer`` applies ``grads`` to ``variables``."""
 
 
-class JacobianPrimitives(Protocol):
-    """``pergrad.backend.<name>.jacobian`` on JAX and PyTorch: what
-    :mod:`pergrad.jacobian._functional` computes Jacobians, Hessians and products with."""
+class ModePrimitives(Protocol):
+    """``pergrad.backend.<name>.jacobian`` on every backend: what :mod:`pergrad.jacobian._modes`
+    computes Jacobians and Hessians with, inside one compiled trace or eager call."""
 
-    #: ``compile`` traces its body once per shape (JAX), or runs it eagerly (PyTorch).
-    TRACES: bool
+    def batch_size(self, t: Any) -> Any:
+        """``t``'s leading dimension: an int when static, else a scalar tensor."""
 
-    def compile(self, state: Any, body: Callable[..., Any]) -> Callable[..., Any]:
-        """``body(*args)`` compiled over ``args`` and the values of ``state.variables``."""
+    def batch_assert(self, t: Any, axis: int, batch: Any, message: str) -> Any:
+        """An op failing at run time unless ``t.shape[axis] == batch`` (``None`` where shapes
+        are always static)."""
 
-    def is_array(self, leaf: Any) -> bool:
-        """Whether ``leaf`` is an array argument (not a Python constant of the trace)."""
-
-    def is_float_array(self, leaf: Any) -> bool:
-        """Whether ``leaf`` is a floating-point array of the backend."""
-
-    def detach(self, value: Any) -> Any:
-        """``value`` without autograd history."""
-
-    def as_array(self, value: Any, like: Any, *, cast: bool = False) -> Any:
-        """``value`` as an array of ``like``'s dtype."""
+    def depending_on(self, deps: list, t: Any) -> Any:
+        """``t``, computed after the ops ``deps``."""
 
     def vjp(self, fn: Callable[[Any], tuple[Any, Any]], x: Any) -> tuple[Any, Callable, Any]:
         """``(y, pullback, aux)`` for ``fn(x) = (y, aux)``."""
 
-    def jvp(self, fn: Callable[..., tuple[Any, Any]], primals: tuple, tangents: tuple) -> tuple:
-        """``(y, J t, aux)`` for ``fn(*primals) = (y, aux)``."""
+    def pull_one(self, pullback: Callable, y: Any, k: int, u: Any) -> list:
+        """The flat input gradient of the cotangent ``u`` on ``y``'s flat leaf ``k`` (zero on
+        the others)."""
+
+    def jvp_along(self, fn: Callable[[Any], tuple[Any, Any]], x: Any, index: int,
+                  t: Any) -> tuple:
+        """``(y, J t, aux)`` for ``fn(x) = (y, aux)`` along the tangent ``t`` of ``x``'s flat
+        leaf ``index`` (zero on the others)."""
 
     def grad(self, fn: Callable[[Any], tuple[Any, Any]]) -> Callable[[Any], tuple[Any, Any]]:
         """``x -> (d fn(x)[0] / dx, aux)``."""
@@ -292,4 +290,32 @@ class JacobianPrimitives(Protocol):
         """The sum of every element of ``t``."""
 
 
-__all__ = ["Backend", "Engine", "JacobianPrimitives", "Trainer"]
+class JacobianPrimitives(ModePrimitives, Protocol):
+    """``pergrad.backend.<name>.jacobian`` on JAX and PyTorch: besides the modes' primitives,
+    what :mod:`pergrad.jacobian._functional` compiles computations and one-shot products with
+    (TensorFlow's are ``tf.function`` in :mod:`pergrad.jacobian._compile` and
+    :mod:`pergrad.jacobian._transforms`)."""
+
+    #: ``compile`` traces its body once per shape (JAX), or runs it eagerly (PyTorch).
+    TRACES: bool
+
+    def compile(self, state: Any, body: Callable[..., Any]) -> Callable[..., Any]:
+        """``body(*args)`` compiled over ``args`` and the values of ``state.variables``."""
+
+    def is_array(self, leaf: Any) -> bool:
+        """Whether ``leaf`` is an array argument (not a Python constant of the trace)."""
+
+    def is_float_array(self, leaf: Any) -> bool:
+        """Whether ``leaf`` is a floating-point array of the backend."""
+
+    def detach(self, value: Any) -> Any:
+        """``value`` without autograd history."""
+
+    def as_array(self, value: Any, like: Any, *, cast: bool = False) -> Any:
+        """``value`` as an array of ``like``'s dtype."""
+
+    def jvp(self, fn: Callable[..., tuple[Any, Any]], primals: tuple, tangents: tuple) -> tuple:
+        """``(y, J t, aux)`` for ``fn(*primals) = (y, aux)``."""
+
+
+__all__ = ["Backend", "Engine", "JacobianPrimitives", "ModePrimitives", "Trainer"]

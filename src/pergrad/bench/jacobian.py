@@ -212,22 +212,25 @@ def markdown(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def header() -> str:
+    """The report's first line: the framework and Keras versions, the CPUs."""
+    if is_torch():
+        import torch
+
+        engine = f"PyTorch {torch.__version__}"
+    else:
+        engine = f"TensorFlow {tf.version.VERSION}"  # the lazy module has no __version__
+    return (f"{engine}, Keras {keras.__version__}, {os.cpu_count()} CPU(s); "
+            "median per call on new inputs, warm-up excluded")
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="fewer timed calls")
     parser.add_argument("--json", metavar="PATH", help="also write the rows as JSON here")
     args = parser.parse_args(argv)
     rows = run(quick=args.quick)
-    if is_torch():
-        import torch
-
-        engine = f"PyTorch {torch.__version__}"
-    else:
-        engine = f"TensorFlow {tf.__version__}"
-    print(
-        f"{engine}, Keras {keras.__version__}, {os.cpu_count()} CPU(s); "
-        "median per call on new inputs, warm-up excluded"
-    )
+    print(header())
     print()
     print(markdown(rows))
     if args.json:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Hashable
-from types import ModuleType
 from typing import Any
 
 import keras
@@ -21,17 +20,6 @@ from pergrad.jacobian._call import (
 from pergrad.jacobian._compile import ShapeDispatch, Traced, structural_key
 from pergrad.jacobian._modes import MODES, choose_mode
 from pergrad.jacobian._structure import flatten, input_size, leaf_paths, rank, to_tensor
-
-
-def _math() -> ModuleType:
-    """The module with this backend's `jacobian_rev`, `jacobian_fwd`, `hessian_fwd_over_rev`
-    and `output_sizes` (same signatures): `_modes` on TensorFlow, `_functional` on JAX and
-    PyTorch."""
-    if not is_tensorflow():
-        from pergrad.jacobian import _functional
-
-        return _functional
-    return _modes
 
 
 def _check_chunk_size(chunk_size: int | None, what: str) -> int | None:
@@ -231,7 +219,7 @@ class Jacobian(_CompiledDerivative):
 
     def _compute(self, fn: Callable[[Any], Any], x: Any, x_paths: list[str], key: Hashable) -> Any:
         mode = self._mode_by_key.get(key, self.mode_requested)  # PyTorch runs this every call
-        math = _math()
+        math = _modes
         if mode == "auto":
             n_in = input_size(x, x_paths, batched=self.batched, what="jacobian")
             n_out = math.output_sizes(fn, x, batched=self.batched, what="jacobian")
@@ -254,7 +242,7 @@ class Hessian(_CompiledDerivative):
     _what = "hessian"
 
     def _compute(self, fn: Callable[[Any], Any], x: Any, x_paths: list[str], key: Hashable) -> Any:
-        return _math().hessian_fwd_over_rev(
+        return _modes.hessian_fwd_over_rev(
             fn, x, batched=self.batched, chunk_size=self.chunk_size, x_paths=x_paths
         )
 

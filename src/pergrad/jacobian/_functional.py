@@ -1,9 +1,9 @@
-"""`pergrad.jacobian` on the functional backends, JAX and PyTorch: the math of `_modes` on
-a backend's ``vjp``, ``jvp``, ``grad`` and ``vmap`` (``backend.jax.jacobian``: ``jax.*``; ``backend.torch.jacobian``:
-``torch.func.*``), each module giving the same few primitives (:func:`_backend`).
-
-Everything else (argument checks, argnums, the mode rule, leaf names, shape and output checks,
-the nesting of blocks, the per-f cache) is shared with TensorFlow; only what follows is theirs.
+"""`pergrad.jacobian`'s compiled computations and one-shot products on the functional
+backends, JAX and PyTorch, on a backend's ``vjp``, ``jvp``, ``grad`` and ``vmap``
+(``backend.jax.jacobian``: ``jax.*``; ``backend.torch.jacobian``: ``torch.func.*``). The
+Jacobian and Hessian math is `_modes`, the same on every backend; what is theirs is here: the
+state a computation threads through f, its compilation per input structure (`Dispatch`), and
+``jvp``, ``vjp`` (a pullback that leaves the compiled call) and ``hvp``.
 
 **State.** A compiled computation reads the values of the Keras variables f uses (a Keras
 layer's ``variables``, and any other variable f was seen to read) as arguments: on JAX those of
@@ -18,12 +18,6 @@ auxiliary output, never as a tracer stored in a variable, and is written back on
 abandoned (on JAX before XLA compiles it; its writes are dropped) and run again with that
 variable among the arguments.
 
-**Math** (as in `_modes`). Reverse mode: one ``vjp``, then the pullback of every one-hot
-cotangent, vmapped. Forward mode: ``jvp`` along every one-hot tangent, vmapped; the primal
-computation does not depend on the tangent, so ``vmap`` leaves it unbatched. Hessians: ``jvp``
-of ``grad`` (forward-over-reverse). Batched Jacobians share one basis vector across the batch.
-``chunk_size`` maps over chunks in sequence. Random layers see one seed state per call: every
-product of a call draws the same dropout mask, as the one forward pass of reverse mode does.
 """
 
 from __future__ import annotations
@@ -40,16 +34,10 @@ from pergrad import backend
 from pergrad.jacobian._call import make_caller, primal_args
 from pergrad.jacobian._compile import compiled_for
 from pergrad.jacobian._structure import (
-    block_shape,
-    check_float_outputs,
-    check_static_batch,
     flatten,
     leaf_paths,
-    num_elements,
     pack_as,
-    pack_blocks,
     single_output,
-    static_shape,
     to_tensor,
 )
 
@@ -142,16 +130,28 @@ def stateless(fn: Callable[[Any], Any], bind: Callable[[Any], list] | None = Non
     return pure
 
 
+def pure(fn: Callable[[Any], Any]) -> Callable[[Any], tuple[Any, list]]:
+    """``fn`` as ``d -> (fn(d), writes)`` for `pergrad.jacobian._modes`: `stateless` inside
+    a computation of this module (JAX, PyTorch); on TensorFlow, whose trace reads and writes
+    the variables itself, ``fn`` with no writes."""
+    if getattr(_ACTIVE, "state", None) is None:
+        return lambda d: (fn(d), [])
+    return stateless(fn)
+
+
 def keep(writes: list) -> None:
     """Assigns what f wrote (see `stateless`) in the compiled call's scope, from where
-    the backend's ``compile`` writes it to the variables after the call."""
+    the backend's ``compile`` writes it to the variables after the call (nothing on
+    TensorFlow: no writes, see `pure`)."""
+    if not writes:
+        return
     variables = _ACTIVE.state.variables
     for variable, value in zip(variables, writes, strict=True):
         if value is not None:
             variable.assign(value)
 
 
-def _first(stacked_writes: list) -> list:
+def first_writes(stacked_writes: list) -> list:
     """Writes from a vmapped or chunked product: every product wrote the same; keep one."""
     return [None if w is None else w[0] for w in stacked_writes]
 
@@ -269,159 +269,6 @@ def convert(arg: Any, pos: int, what: str) -> Any:
                 "or use pergrad.jacobian.jvp/vjp/hvp, which accept variables."
             )
     return pack_as(arg, converted)
-
-
-# -- the math (inside a trace) ----------------------------------------------------------------
-def _shapes(ts: list, paths: list[str], batched: bool, what: str) -> list[list[int]]:
-    return [static_shape(t, p, batched=batched, what=what) for t, p in zip(ts, paths, strict=True)]
-
-
-def _batch(xs: list, ys: list, y_paths: list[str], batched: bool, what: str) -> int | None:
-    if not batched:
-        return None
-    batch = int(xs[0].shape[0])
-    for y, path in zip(ys, y_paths, strict=True):
-        check_static_batch(y, path, batch, what)
-    return batch
-
-
-def _unit(shape_of: list[int], dtype: Any, like: Any, batched: bool, index: Any) -> Any:
-    """The one-hot e_index of `shape_of`, broadcast over the batch of `like` when batched."""
-    return _backend().basis(index, shape_of, dtype, like if batched else None)
-
-
-def jacobian_rev(fn, x, *, batched: bool, chunk_size: int | None, x_paths: list[str],
-                 what: str = "jacobian") -> Any:
-    """Reverse mode: one ``vjp``, the pullback of every one-hot cotangent, vmapped."""
-    B = _backend()
-    y, pullback, writes = B.vjp(stateless(fn), x)
-    keep(writes)
-    xs, ys = flatten(x), flatten(y)
-    y_paths = leaf_paths(y, "output")
-    check_float_outputs(ys, y_paths, what)
-    in_shapes = _shapes(xs, x_paths, batched, what)
-    batch = _batch(xs, ys, y_paths, batched, what)
-    zeros = [B.zeros_like(t) for t in ys]
-    blocks = []
-    for k, (y_k, out_shape) in enumerate(zip(ys, _shapes(ys, y_paths, batched, what),
-                                             strict=True)):
-        m = num_elements(out_shape)
-        if m == 0:
-            blocks.append([B.zeros(block_shape(batch, out_shape, s), y_k.dtype, y_k)
-                           for s in in_shapes])
-            continue
-
-        def row(j, k=k, y_k=y_k, out_shape=out_shape):
-            cotangents = list(zeros)
-            cotangents[k] = _unit(out_shape, y_k.dtype, y_k, batched, j)
-            (grads,) = pullback(pack_as(y, cotangents))
-            return flatten(grads)
-
-        rows = B.stack_map(row, m, chunk_size, y_k)  # per input leaf: (m, [B,] *in_shape)
-        blocks.append([
-            B.cast(B.reshape(B.moveaxis(r, 0, 1) if batched else r,
-                             block_shape(batch, out_shape, s)), y_k.dtype)
-            for r, s in zip(rows, in_shapes, strict=True)
-        ])
-    return pack_blocks(y, x, blocks)
-
-
-def jacobian_fwd(fn, x, *, batched: bool, chunk_size: int | None, x_paths: list[str],
-                 what: str = "jacobian") -> Any:
-    """Forward mode: ``jvp`` along every one-hot tangent of each input leaf, vmapped."""
-    B = _backend()
-    pure = stateless(fn)
-    xs = flatten(x)
-    y, _ = B.eval_shape(pure, x)  # the outputs' structure, shapes and dtypes
-    ys = flatten(y)
-    y_paths = leaf_paths(y, "output")
-    check_float_outputs(ys, y_paths, what)
-    in_shapes = _shapes(xs, x_paths, batched, what)
-    out_shapes = _shapes(ys, y_paths, batched, what)
-    batch = _batch(xs, ys, y_paths, batched, what)
-    zeros = [B.zeros_like(t) for t in xs]
-    blocks = [[B.zeros(block_shape(batch, o, s), t.dtype, xs[0]) for s in in_shapes]
-              for o, t in zip(out_shapes, ys, strict=True)]
-    kept = False
-    for l_index, (x_l, in_shape) in enumerate(zip(xs, in_shapes, strict=True)):
-        n = num_elements(in_shape)
-        if n == 0:
-            continue
-
-        def column(i, l_index=l_index, x_l=x_l, in_shape=in_shape):
-            tangents = list(zeros)
-            tangents[l_index] = _unit(in_shape, x_l.dtype, x_l, batched, i)
-            _, out, writes = B.jvp(pure, (x,), (pack_as(x, tangents),))
-            return flatten(out), writes
-
-        columns, writes = B.stack_map(column, n, chunk_size, x_l)  # per output: (n, [B,] *out)
-        if not kept:  # every product ran f from the same state: write once
-            keep(_first(writes))
-            kept = True
-        for k, (c, out_shape) in enumerate(zip(columns, out_shapes, strict=True)):
-            blocks[k][l_index] = B.reshape(B.moveaxis(c, 0, -1),
-                                             block_shape(batch, out_shape, in_shape))
-    return pack_blocks(y, x, blocks)
-
-
-def output_sizes(fn, x, *, batched: bool, what: str) -> int:
-    """Total (per-example if batched) number of output elements, from ``B.eval_shape``
-    (abstract: f's writes in it are dropped)."""
-    B = _backend()
-    y, _ = B.eval_shape(stateless(fn), x)
-    ys, paths = flatten(y), leaf_paths(y, "output")
-    check_float_outputs(ys, paths, what)
-    return sum(num_elements(s) for s in _shapes(ys, paths, batched, what))
-
-
-def hessian_fwd_over_rev(fn, x, *, batched: bool, chunk_size: int | None, x_paths: list[str],
-                         what: str = "hessian") -> Any:
-    """Column i of H: ``jvp`` of ``grad`` along e_i, vmapped over i."""
-    B = _backend()
-    pure = stateless(fn)
-    xs = flatten(x)
-    in_shapes = _shapes(xs, x_paths, batched, what)
-    batch = int(xs[0].shape[0]) if batched else None
-
-    def objective(d):
-        y, writes = pure(d)
-        y = single_output(y, batched, what)
-        if batched:
-            check_static_batch(y, "output", batch, what)
-            y = B.sum(y)
-        return y, writes
-
-    B.eval_shape(objective, x)  # f's output checked even when every input is empty
-    gradient = B.grad(objective)
-    zeros = [B.zeros_like(t) for t in xs]
-    columns_by_tangent = []
-    for l_index, (x_l, in_shape) in enumerate(zip(xs, in_shapes, strict=True)):
-        n = num_elements(in_shape)
-        if n == 0:
-            columns_by_tangent.append(None)
-            continue
-
-        def column(i, l_index=l_index, x_l=x_l, in_shape=in_shape):
-            tangents = list(zeros)
-            tangents[l_index] = _unit(in_shape, x_l.dtype, x_l, batched, i)
-            _, hv, writes = B.jvp(gradient, (x,), (pack_as(x, tangents),))
-            return flatten(hv), writes
-
-        columns, writes = B.stack_map(column, n, chunk_size, x_l)
-        if all(c is None for c in columns_by_tangent):
-            keep(_first(writes))
-        columns_by_tangent.append(columns)
-    blocks = []
-    for l1, (x1, shape1) in enumerate(zip(xs, in_shapes, strict=True)):
-        row = []
-        for columns, shape2 in zip(columns_by_tangent, in_shapes, strict=True):
-            shape = block_shape(batch, shape1, shape2)
-            if columns is None or num_elements(shape1) == 0:
-                row.append(B.zeros(shape, x1.dtype, x1))
-            else:
-                row.append(B.reshape(B.moveaxis(columns[l1], 0, -1), shape))
-        blocks.append(row)
-    return pack_blocks(x, x, blocks)
 
 
 # -- one-shot products: jvp, vjp, hvp -----------------------------------------------------------

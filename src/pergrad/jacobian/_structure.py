@@ -9,7 +9,7 @@ Everything here runs in Python at call or trace time; nothing here builds graph 
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import keras
@@ -30,6 +30,14 @@ def pack_as(structure: Any, leaves: list) -> Any:
     if is_tensorflow():
         return tf.nest.pack_sequence_as(structure, leaves)
     return keras.tree.pack_sequence_as(structure, leaves)
+
+
+def on_leaf(structure: Any, index: int, value: Any, zeros_like: Callable[[Any], Any]) -> Any:
+    """``structure`` with ``value`` at flat leaf ``index`` and zeros at every other leaf (a
+    one-leaf tangent or cotangent for the transforms that take a whole structure)."""
+    leaves = flatten(structure)
+    return pack_as(structure, [value if i == index else zeros_like(leaf)
+                               for i, leaf in enumerate(leaves)])
 
 
 def rank(t: Any) -> int | None:
@@ -147,20 +155,6 @@ def input_size(x: Any, x_paths: list[str], *, batched: bool, what: str) -> int:
         num_elements(static_shape(t, p, batched=batched, what=what))
         for t, p in zip(flatten(x), x_paths, strict=True)
     )
-
-
-def move_first_axis_last(t: tf.Tensor) -> tf.Tensor:
-    """(n, d1, ..., dk) -> (d1, ..., dk, n)."""
-    rank = t.shape.rank
-    if rank == 1:
-        return t
-    return tf.transpose(t, list(range(1, rank)) + [0])
-
-
-def batch_first(t: tf.Tensor) -> tf.Tensor:
-    """(n, B, d...) -> (B, n, d...)."""
-    rank = t.shape.rank
-    return tf.transpose(t, [1, 0] + list(range(2, rank)))
 
 
 def block_shape(

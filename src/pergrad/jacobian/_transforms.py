@@ -24,8 +24,7 @@ from pergrad.backend import is_tensorflow, require_supported
 from pergrad.backend.lazy import tensorflow as tf
 from pergrad.jacobian._call import make_caller, primal_args
 from pergrad.jacobian._compile import Traced, compiled_for
-from pergrad.jacobian._modes import ZERO, scalar_objective
-from pergrad.jacobian._structure import leaf_paths, to_tensor
+from pergrad.jacobian._structure import leaf_paths, single_output, to_tensor
 
 
 def _as_tf_variable(leaf: Any) -> tf.Variable | None:
@@ -126,7 +125,7 @@ def _build_jvp(training: bool, primals: _Layout) -> Callable[[Callable[[], Any]]
             leaves = primals.merge(tensors)
             with tf.autodiff.ForwardAccumulator(leaves, tangents) as acc:
                 y = call(*primals.pack(leaves))
-            out = tf.nest.map_structure(lambda t: acc.jvp(t, unconnected_gradients=ZERO), y)
+            out = tf.nest.map_structure(lambda t: acc.jvp(t, unconnected_gradients=tf.UnconnectedGradients.ZERO), y)
             return y, out
 
         return Traced(run, name="jvp")
@@ -147,7 +146,7 @@ def _build_vjp(training: bool, primals: _Layout) -> Callable[[Callable[[], Any]]
                 tf.nest.flatten(y),
                 leaves,
                 output_gradients=tf.nest.flatten(cotangents),
-                unconnected_gradients=ZERO,
+                unconnected_gradients=tf.UnconnectedGradients.ZERO,
             )
 
         return Traced(run, name="vjp")
@@ -163,9 +162,9 @@ def _build_hvp(training: bool, primals: _Layout) -> Callable[[Callable[[], Any]]
             with tf.autodiff.ForwardAccumulator(leaves, vectors) as acc:
                 with tf.GradientTape() as tape:
                     tape.watch(leaves)
-                    y, _ = scalar_objective(call(*primals.pack(leaves)), False, None, "hvp")
-                grads = tape.gradient(y, leaves, unconnected_gradients=ZERO)
-            return [acc.jvp(g, unconnected_gradients=ZERO) for g in grads]
+                    y = single_output(call(*primals.pack(leaves)), False, "hvp")
+                grads = tape.gradient(y, leaves, unconnected_gradients=tf.UnconnectedGradients.ZERO)
+            return [acc.jvp(g, unconnected_gradients=tf.UnconnectedGradients.ZERO) for g in grads]
 
         return Traced(run, name="hvp")
 

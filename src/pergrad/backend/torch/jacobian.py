@@ -1,4 +1,4 @@
-"""The PyTorch primitives of `pergrad.jacobian._functional`: ``torch.func.vjp``, ``jvp``,
+"""The PyTorch primitives of `pergrad.jacobian._modes` and `pergrad.jacobian._functional`: ``torch.func.vjp``, ``jvp``,
 ``grad`` and ``vmap``, run eagerly.
 
 Nothing is compiled: Keras's torch backend runs eagerly, and a built `Jacobian` is reused by
@@ -37,7 +37,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 import pergrad
 from pergrad._compat import torch_convolutions_in_vmap
 from pergrad.engine.functional import assign_written, stateless
-from pergrad.jacobian._structure import num_elements
+from pergrad.jacobian._structure import flatten, num_elements, on_leaf
 
 TRACES = False  # eager: nothing is traced, `trace_count` counts the one build
 
@@ -275,3 +275,32 @@ sum = torch.sum  # noqa: A001 - the primitive's name in every backend module
 
 def cast(t: Any, dtype: Any) -> Any:
     return t.to(dtype)
+
+
+# -- what `pergrad.jacobian._modes` needs beyond the transforms: shapes are static here ------
+def batch_size(t: Any) -> int:
+    """``t``'s leading dimension (always static: the trace is per shape)."""
+    return int(t.shape[0])
+
+
+def batch_assert(t: Any, axis: int, batch: Any, message: str) -> None:
+    """Nothing: every shape is static, so `_modes` checks the batch at trace time."""
+    del t, axis, batch, message
+
+
+def depending_on(deps: list, t: Any) -> Any:
+    del deps  # no run-time assertions (see `batch_assert`)
+    return t
+
+
+def pull_one(pullback: Callable, y: Any, k: int, u: Any) -> list:
+    """The flat input gradient of the cotangent ``u`` on ``y``'s output leaf ``k`` (zero on
+    the others)."""
+    (grads,) = pullback(on_leaf(y, k, u, zeros_like))
+    return flatten(grads)
+
+
+def jvp_along(fn: Callable[[Any], tuple[Any, Any]], x: Any, index: int, t: Any) -> tuple:
+    """``(y, J t, aux)`` along the tangent ``t`` of ``x``'s flat leaf ``index`` (zero on the
+    others)."""
+    return jvp(fn, (x,), (on_leaf(x, index, t, zeros_like),))
