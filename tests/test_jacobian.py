@@ -763,27 +763,27 @@ def test_concurrent_calls_of_one_jacobian():
     assert not errors, errors
 
 
-@pytest.mark.skipif(not ON_TORCH, reason="TensorFlow's run is test_cli's bench smoke test; "
-                    "bench_jacobian has no JAX baselines")
-def test_bench_jacobian_runs_on_torch_and_agrees_with_its_baselines():
+@pytest.mark.only_on("jax", "torch", reason="TensorFlow's run is test_cli's bench smoke test")
+def test_bench_jacobian_runs_and_agrees_with_its_baselines():
     from pergrad.bench import jacobian as bench
 
     rows = bench.run(quick=True)
-    assert {r["method"] for r in rows} == {"autograd loop", "torch.func jacrev", "pergrad rev",
-                                           "pergrad fwd", "pergrad auto"}
-    for r in rows:  # float32 models: every method's Jacobian equals torch.func.jacrev's
+    baselines = (["jax.vmap(jacrev)", "jacrev of sum"] if ON_JAX
+                 else ["autograd loop", "torch.func jacrev"])
+    assert {r["method"] for r in rows} == {*baselines, "pergrad rev", "pergrad fwd",
+                                           "pergrad auto"}
+    for r in rows:  # float32 models: every method's Jacobian equals the second baseline's
         assert r["max_abs_diff_vs_baseline_2"] < 1e-5, r
-    assert "x vs torch.func jacrev" in bench.markdown(rows)
+    assert f"x vs {baselines[1]}" in bench.markdown(rows)
 
 
-@pytest.mark.skipif(ON_JAX, reason="bench_jacobian has no JAX baselines")
 def test_bench_jacobian_header_names_the_framework_and_its_version():
     """``python benchmarks/bench_jacobian.py`` printed its header after the run from
     ``tf.__version__``, which the lazy TensorFlow module does not forward: it failed there."""
     from pergrad.bench import jacobian as bench
 
     line = bench.header()
-    framework = "PyTorch" if ON_TORCH else "TensorFlow"
+    framework = "PyTorch" if ON_TORCH else "JAX" if ON_JAX else "TensorFlow"
     assert line.startswith(framework + " ") and keras.__version__ in line
 
 

@@ -445,3 +445,36 @@ def test_float16_overflow_skips_the_step(rng, policy):
     assert float(model.optimizer.dynamic_scale) < 2.0 ** 14
     assert any(not np.array_equal(a, b) for a, b in zip(inner.get_weights(), before, strict=True))
     assert all(np.isfinite(w).all() for w in inner.get_weights())
+
+
+@pytest.mark.only_on("tensorflow", reason=(
+    "tf.function traces a function that creates variables twice; JAX and PyTorch trace (or "
+    "run) the step after Keras has built everything"))
+@pytest.mark.parametrize("call", ["fit", "train_on_batch"])
+def test_the_train_step_is_traced_once_with_metrics_and_optimizer_slots(rng, monkeypatch, call):
+    """The compiled metrics' variables and the optimizer's momentum slots exist before the
+    per-example step is traced, so TensorFlow traces it once, not twice."""
+    from pergrad.keras import step
+
+    traced = []
+    original = step.train_step
+
+    def counted(*args, **kwargs):
+        traced.append(1)
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(step, "train_step", counted)
+    inputs = keras.Input((4,))
+    model = PerExampleModel(keras.Model(inputs, keras.layers.Dense(3)(inputs)),
+                            aggregator=aggregate.dp_mean(1.0, 1.0, seed=0))
+    model.compile(optimizer=keras.optimizers.SGD(0.1, momentum=0.9), metrics=["accuracy"],
+                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    x = rng.normal(size=(16, 4)).astype("float32")
+    y = rng.integers(0, 3, size=16)
+    if call == "fit":
+        model.fit(x, y, batch_size=8, epochs=2, verbose=0)
+    else:
+        model.train_on_batch(x[:8], y[:8])
+        model.train_on_batch(x[8:], y[8:])
+    assert len(traced) == 1
+    assert model.optimizer.iterations.numpy() == (4 if call == "fit" else 2)

@@ -157,6 +157,10 @@ class Backend(Protocol):
         """A ``ValueError`` saying what to do where noise keys cannot be held now (JAX without
         64-bit integers)."""
 
+    def enable_noise_keys(self) -> None:
+        """Let this process hold noise keys (JAX: turn on 64-bit integers; a program's
+        first step, before any array is made)."""
+
     def new_key_state(self, seed: int) -> Any:
         """The state ``[seed, 0]`` of a stream of noise keys held outside a model."""
 

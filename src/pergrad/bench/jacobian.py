@@ -9,6 +9,10 @@ Methods (the first two are the baselines every ratio is taken against):
   TensorFlow
     eager tape          GradientTape + tape.batch_jacobian, eagerly, every call.
     tf.function tape    the same wrapped in one tf.function (plain-TF best practice).
+  JAX (KERAS_BACKEND=jax)
+    jax.vmap(jacrev)    jax.jit(jax.vmap(jax.jacrev(one example's outputs))): the JAX idiom.
+    jacrev of sum       jax.jit(jax.jacrev(outputs summed over the batch)), every example's
+                        row j at once (examples independent), moved to (B, *out, *in).
   PyTorch (KERAS_BACKEND=torch)
     autograd loop       one torch.autograd.grad per output element of the batch-summed
                         outputs, after one forward pass (no vectorization).
@@ -19,12 +23,13 @@ Methods (the first two are the baselines every ratio is taken against):
 Each call gets a new input tensor of the same shape. Warm-up calls (tracing) are excluded;
 methods are timed in interleaved rounds (shuffled order) so that they share the machine's
 state, and the table reports the median time per call and ratios to the two baselines (the
-tapes on TensorFlow; the autograd loop and ``torch.func.jacrev`` on PyTorch) measured in the
-same run.
+tapes on TensorFlow; JAX's two jitted ``jacrev``; the autograd loop and ``torch.func.jacrev``
+on PyTorch) measured in the same run. The JAX baselines read the weights as arguments of their
+``jit``, as ``pergrad.jacobian`` does.
 Nothing here asserts on timings.
 
 Usage:
-  [KERAS_BACKEND=torch] .venv/bin/python benchmarks/bench_jacobian.py [--quick] [--json PATH]
+  [KERAS_BACKEND=jax|torch] .venv/bin/python benchmarks/bench_jacobian.py [--quick] [--json PATH]
 """
 
 from __future__ import annotations
@@ -88,6 +93,30 @@ def _tensorflow_baselines(model: keras.Model) -> dict[str, Callable]:
             "tf.function tape": tf.function(tape_batch_jacobian, reduce_retracing=True)}
 
 
+def _jax_baselines(model: keras.Model) -> dict[str, Callable]:
+    import jax
+    import jax.numpy as jnp
+
+    weights = ([v.value for v in model.trainable_variables],
+               [v.value for v in model.non_trainable_variables])
+
+    def outputs(w, x):
+        y, _ = model.stateless_call(w[0], w[1], x, training=False)
+        return y
+
+    @jax.jit
+    def vmap_jacrev(w, x):
+        return jax.vmap(jax.jacrev(lambda xi: outputs(w, xi[None])[0]))(x)
+
+    @jax.jit
+    def summed_jacrev(w, x):
+        j = jax.jacrev(lambda z: jnp.sum(outputs(w, z), axis=0))(x)  # (*out, B, *in)
+        return jnp.moveaxis(j, j.ndim - x.ndim, 0)
+
+    return {"jax.vmap(jacrev)": lambda x: vmap_jacrev(weights, x),
+            "jacrev of sum": lambda x: summed_jacrev(weights, x)}
+
+
 def _torch_baselines(model: keras.Model) -> dict[str, Callable]:
     import torch
 
@@ -111,11 +140,9 @@ def _torch_baselines(model: keras.Model) -> dict[str, Callable]:
 
 
 def _methods(model: keras.Model) -> dict[str, tuple[Callable, object]]:
-    if is_jax():
-        raise NotImplementedError(
-            "bench_jacobian's baselines are TensorFlow's tapes or PyTorch's autograd; run it with "
-            "KERAS_BACKEND=tensorflow or KERAS_BACKEND=torch.")
-    baselines = _torch_baselines(model) if is_torch() else _tensorflow_baselines(model)
+    # A benchmark's baselines are each framework's own idiom: the one backend test on purpose
+    baselines = {"jax": _jax_baselines, "torch": _torch_baselines}.get(
+        keras.backend.backend(), _tensorflow_baselines)(model)
     methods: dict[str, tuple[Callable, object]] = {
         name: (fn, None) for name, fn in baselines.items()}
     for mode in ("rev", "fwd", "auto"):
@@ -218,6 +245,10 @@ def header() -> str:
         import torch
 
         engine = f"PyTorch {torch.__version__}"
+    elif is_jax():
+        import jax
+
+        engine = f"JAX {jax.__version__}"
     else:
         engine = f"TensorFlow {tf.version.VERSION}"  # the lazy module has no __version__
     return (f"{engine}, Keras {keras.__version__}, {os.cpu_count()} CPU(s); "

@@ -357,7 +357,7 @@ def run(args: argparse.Namespace) -> int:
 def _run(args: argparse.Namespace) -> int:
     import keras
 
-    from pergrad import demo
+    from pergrad import backend, demo
     from pergrad.analysis import analyze
     from pergrad.analysis import report as files
     from pergrad.analysis.out_of_sample import (
@@ -370,9 +370,7 @@ def _run(args: argparse.Namespace) -> int:
     from pergrad.stats.label_errors import ranking
 
     start = time.perf_counter()
-    if keras.backend.backend() == "jax":
-        import jax
-        jax.config.update("jax_enable_x64", True)  # 64-bit DP noise keys (docs/backends.md)
+    backend.native().enable_noise_keys()  # JAX: 64-bit DP noise keys (docs/backends.md)
     keras.utils.set_random_seed(args.seed)
     model, loss, optimizer = _load_model(args)
     data = _load_dataset(args, model)

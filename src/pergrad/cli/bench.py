@@ -110,9 +110,9 @@ def _run_on(backend: str, args: argparse.Namespace) -> int:
               f"KERAS_BACKEND={backend}", file=sys.stderr)
         return 2
     os.environ["KERAS_BACKEND"] = backend
-    if backend == "jax":
-        import jax
-        jax.config.update("jax_enable_x64", True)  # DP noise keys are 64-bit
+    from pergrad.backend import native
+
+    native().enable_noise_keys()  # JAX: DP noise keys are 64-bit
     from pergrad.bench import real_models
 
     unknown = [m for m in args.models or () if m not in real_models.MODELS]

@@ -26,6 +26,11 @@ def check_noise_keys() -> None:
             "array or model is made (without it a key's 62-bit seed would be truncated).")
 
 
+def enable_noise_keys() -> None:
+    """Turn on ``jax_enable_x64`` (64-bit integer keys), before any array is made."""
+    jax.config.update("jax_enable_x64", True)
+
+
 def new_key_state(seed: int) -> Any:
     """A host array ``[seed, 0]``."""
     return np.array(initial_state(seed), np.int64)

@@ -15,6 +15,10 @@ def check_noise_keys() -> None:
     """Nothing to check: TensorFlow has 64-bit integers."""
 
 
+def enable_noise_keys() -> None:
+    """Nothing to enable: TensorFlow has 64-bit integers."""
+
+
 def new_key_state(seed: int) -> Any:
     """A ``tf.Variable`` ``[seed, 0]``, made outside any function graph (so a stream first used
     inside a ``tf.function`` works)."""

@@ -24,6 +24,10 @@ from __future__ import annotations
 import sys
 import warnings
 
+import keras
+import numpy as np
+
+from pergrad._compat import symbolic_build
 from pergrad.backend.lazy import tensorflow as tf
 from pergrad.engine import compute_dtype, mixing_tolerance
 from pergrad.keras import fit_parts, step
@@ -123,6 +127,11 @@ def _mixing_detail(text: str) -> str:
     return detail.replace("] [", " Relative difference: ").strip(" []")
 
 
+def _argument(args: tuple, kwargs: dict, position: int, name: str):
+    """A call's argument given by position or by name (None if neither)."""
+    return args[position] if len(args) > position else kwargs.get(name)
+
+
 class Trainer:
     """``PerExampleModel``'s TensorFlow trainer part (as Keras composes ``Model`` from its
     backend's trainer): the mixing flag as a variable the first replica owns, the assertion
@@ -156,9 +165,47 @@ class Trainer:
                 "batch_size=..., epochs=..., checkpoint_dir=...): the same train step, "
                 "callbacks and aggregator, under strategy.run.")
         args, kwargs = fit_parts.with_monitor_callback(self, args, kwargs)
+        self._build_before_tracing(_argument(args, kwargs, 0, "x"), _argument(args, kwargs, 1, "y"),
+                                   kwargs.get("sample_weight"),
+                                   _argument(args, kwargs, 2, "batch_size") or 32)
         with mixing_errors():
             return super().fit(*args, **kwargs)
 
     def train_on_batch(self, *args, **kwargs):
+        self._build_before_tracing(_argument(args, kwargs, 0, "x"), _argument(args, kwargs, 1, "y"),
+                                   _argument(args, kwargs, 2, "sample_weight"), None)
         with mixing_errors():
             return super().train_on_batch(*args, **kwargs)
+
+    def _build_before_tracing(self, x, y, sample_weight, batch_size: int | None) -> None:
+        """The compiled metrics' and loss's variables and the optimizer's slots, made from the
+        first batch of array data (``batch_size`` rows; all with None) before the train step is
+        traced. Keras's TensorFlow trainer
+        makes them so only under a distribution strategy and otherwise leaves them to the
+        first trace, and ``tf.function`` traces a function that creates variables twice: the
+        first step of a ``keras.applications`` CNN's DP training took twice as long. Data
+        that is not arrays (a dataset, a generator) is left to Keras, and so is a model that
+        cannot be built from the batch (its traced step then reports why)."""
+        if self._distribute_strategy is not None or not self.model.built:
+            return  # Keras builds first under a strategy; an unbuilt model builds in its trace
+        data = (x, y, sample_weight)
+        leaves = [leaf for leaf in keras.tree.flatten(data) if leaf is not None]
+        if not leaves or not all(isinstance(leaf, (np.ndarray, tf.Tensor)) and len(leaf.shape)
+                                 for leaf in leaves):
+            return
+        first = keras.tree.map_structure(lambda a: None if a is None else a[:batch_size], data)
+        try:
+            symbolic_build(self, first)
+        except Exception:  # noqa: BLE001 - the traced step raises it again, in its own words
+            return
+
+    def make_train_function(self, force=False):
+        """Keras's, with the optimizer's slots made first where the model is built: Keras
+        (without a distribution strategy) leaves them to the first trace of the train step,
+        and ``tf.function`` traces a function that creates variables twice, which doubled the
+        first step's time (the per-example step is a large graph to trace)."""
+        optimizer = getattr(self, "optimizer", None)
+        if optimizer is not None and not optimizer.built and self.model.built:
+            with self.distribute_strategy.scope():
+                optimizer.build(self.trainable_variables)
+        return super().make_train_function(force)

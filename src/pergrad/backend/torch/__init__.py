@@ -27,6 +27,7 @@ from pergrad.backend.torch.ops import (
 )
 from pergrad.backend.torch.random import (
     check_noise_keys,
+    enable_noise_keys,
     gaussian_noise,
     generator_state,
     new_key_state,
@@ -53,7 +54,7 @@ RNN_BACKWARDS_IN_INPUT_ORDER = False
 ROUTES = routes.TORCH
 
 __all__ = ["NAME", "RNN_BACKWARDS_IN_INPUT_ORDER", "RNN_MASK_HOLDS_STATE", "ROUTES", "branch",
-           "host_call", "wait_for_host_callbacks", "assert_positive", "check_noise_keys",
+           "host_call", "wait_for_host_callbacks", "assert_positive", "check_noise_keys", "enable_noise_keys",
            "depthwise_filter_gradients", "depthwise_products_by_forward_conv", "full_float32",
            "gaussian_noise", "generator_state", "grouped_filter_gradients",
            "grouped_filter_gradients_available", "replaying_generators",

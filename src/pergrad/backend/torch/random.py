@@ -19,6 +19,10 @@ def check_noise_keys() -> None:
     """Nothing to check: PyTorch has 64-bit integers."""
 
 
+def enable_noise_keys() -> None:
+    """Nothing to enable: PyTorch has 64-bit integers."""
+
+
 def new_key_state(seed: int) -> Any:
     """A host array ``[seed, 0]`` (everything runs eagerly)."""
     return np.array(initial_state(seed), np.int64)
