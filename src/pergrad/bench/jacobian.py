@@ -13,6 +13,7 @@ Methods (the first two are the baselines every ratio is taken against):
     jax.vmap(jacrev)    jax.jit(jax.vmap(jax.jacrev(one example's outputs))): the JAX idiom.
     jacrev of sum       jax.jit(jax.jacrev(outputs summed over the batch)), every example's
                         row j at once (examples independent), moved to (B, *out, *in).
+    jax.vmap(jacfwd)    forward mode, the JAX idiom for few inputs (a method, not a baseline).
   PyTorch (KERAS_BACKEND=torch)
     autograd loop       one torch.autograd.grad per output element of the batch-summed
                         outputs, after one forward pass (no vectorization).
@@ -109,12 +110,17 @@ def _jax_baselines(model: keras.Model) -> dict[str, Callable]:
         return jax.vmap(jax.jacrev(lambda xi: outputs(w, xi[None])[0]))(x)
 
     @jax.jit
+    def vmap_jacfwd(w, x):
+        return jax.vmap(jax.jacfwd(lambda xi: outputs(w, xi[None])[0]))(x)
+
+    @jax.jit
     def summed_jacrev(w, x):
         j = jax.jacrev(lambda z: jnp.sum(outputs(w, z), axis=0))(x)  # (*out, B, *in)
         return jnp.moveaxis(j, j.ndim - x.ndim, 0)
 
     return {"jax.vmap(jacrev)": lambda x: vmap_jacrev(weights, x),
-            "jacrev of sum": lambda x: summed_jacrev(weights, x)}
+            "jacrev of sum": lambda x: summed_jacrev(weights, x),
+            "jax.vmap(jacfwd)": lambda x: vmap_jacfwd(weights, x)}
 
 
 def _torch_baselines(model: keras.Model) -> dict[str, Callable]:
