@@ -40,6 +40,38 @@ def on_leaf(structure: Any, index: int, value: Any, zeros_like: Callable[[Any], 
                                for i, leaf in enumerate(leaves)])
 
 
+def static_batch_size(t: Any) -> int:
+    """``t``'s leading dimension, where every shape is static (JAX traces per shape; PyTorch
+    runs eagerly)."""
+    return int(t.shape[0])
+
+
+def no_batch_assert(t: Any, axis: int, batch: Any, message: str) -> None:
+    """No run-time assertion where every shape is static: `_modes` checks at trace time."""
+    del t, axis, batch, message
+
+
+def no_dependencies(deps: list, t: Any) -> Any:
+    """``t``: there are no run-time assertions to wait for (see :func:`no_batch_assert`)."""
+    del deps
+    return t
+
+
+def pull_through_zeros(pullback: Callable, y: Any, k: int, u: Any) -> list:
+    """The flat input gradient of the cotangent ``u`` on ``y``'s flat leaf ``k`` and zeros on
+    the others, for a pullback that takes a whole structure (``jax.vjp``, ``torch.func.vjp``)."""
+    (grads,) = pullback(on_leaf(y, k, u, keras.ops.zeros_like))
+    return flatten(grads)
+
+
+def jvp_through_zeros(fn: Callable, x: Any, index: int, t: Any) -> tuple:
+    """The running backend's ``jvp(fn, (x,), (tangents,))`` with the tangent ``t`` on ``x``'s
+    flat leaf ``index`` and zeros on the others (JAX, PyTorch)."""
+    from pergrad import backend
+
+    return backend.part("jacobian").jvp(fn, (x,), (on_leaf(x, index, t, keras.ops.zeros_like),))
+
+
 def rank(t: Any) -> int | None:
     """The number of dimensions of `t` (None for a TensorFlow tensor of unknown rank)."""
     shape = t.shape

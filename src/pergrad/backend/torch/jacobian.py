@@ -37,7 +37,14 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 import pergrad
 from pergrad._compat import torch_convolutions_in_vmap
 from pergrad.engine.functional import assign_written, stateless
-from pergrad.jacobian._structure import flatten, num_elements, on_leaf
+from pergrad.jacobian._structure import (
+    jvp_through_zeros,
+    no_batch_assert,
+    no_dependencies,
+    num_elements,
+    pull_through_zeros,
+    static_batch_size,
+)
 
 TRACES = False  # eager: nothing is traced, `trace_count` counts the one build
 
@@ -278,29 +285,8 @@ def cast(t: Any, dtype: Any) -> Any:
 
 
 # -- what `pergrad.jacobian._modes` needs beyond the transforms: shapes are static here ------
-def batch_size(t: Any) -> int:
-    """``t``'s leading dimension (always static: the trace is per shape)."""
-    return int(t.shape[0])
-
-
-def batch_assert(t: Any, axis: int, batch: Any, message: str) -> None:
-    """Nothing: every shape is static, so `_modes` checks the batch at trace time."""
-    del t, axis, batch, message
-
-
-def depending_on(deps: list, t: Any) -> Any:
-    del deps  # no run-time assertions (see `batch_assert`)
-    return t
-
-
-def pull_one(pullback: Callable, y: Any, k: int, u: Any) -> list:
-    """The flat input gradient of the cotangent ``u`` on ``y``'s output leaf ``k`` (zero on
-    the others)."""
-    (grads,) = pullback(on_leaf(y, k, u, zeros_like))
-    return flatten(grads)
-
-
-def jvp_along(fn: Callable[[Any], tuple[Any, Any]], x: Any, index: int, t: Any) -> tuple:
-    """``(y, J t, aux)`` along the tangent ``t`` of ``x``'s flat leaf ``index`` (zero on the
-    others)."""
-    return jvp(fn, (x,), (on_leaf(x, index, t, zeros_like),))
+batch_size = static_batch_size
+batch_assert = no_batch_assert
+depending_on = no_dependencies
+pull_one = pull_through_zeros
+jvp_along = jvp_through_zeros
