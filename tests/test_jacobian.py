@@ -805,6 +805,19 @@ def test_unknown_batch_output_mismatch_fails_at_run_time(mode):
         jac(rand(4, 3))
 
 
+@tf_only
+@pytest.mark.parametrize("mode", ["rev", "fwd"])
+def test_static_batch_with_an_output_of_unknown_batch_fails_at_run_time(mode):
+    """A static input batch, an output whose batch only running tells (a boolean mask): the
+    rows kept must not be taken for examples 0, 1, ... of the batch."""
+    jac = jacobian(lambda x: xp.tanh(tf.boolean_mask(x, x[:, 0] > 0)), mode=mode, batched=True)
+    x = np.array([[1.0, 2.0, 3.0], [-1.0, 0.5, 0.2], [2.0, -1.0, 0.3]])
+    with pytest.raises(
+        tf.errors.InvalidArgumentError, match="output of f does not keep the batch size"
+    ):
+        jac(x)
+
+
 def test_new_example_shape_traces_once_per_shape():
     def f(x):
         return xp.sin(x) * xp.sum(x)

@@ -171,8 +171,9 @@ def jacobian_fwd(fn: Callable[[Any], Any], x: Any, *, batched: bool, chunk_size:
             keep(first_writes(writes))
             kept = True
         for k, (c, out_shape) in enumerate(zip(columns, out_shapes, strict=True)):
+            unknown = not isinstance(batch, int) or ys[k].shape[0] is None
             deps = ([B.batch_assert(c, 1, batch, _batch_message(y_paths[k], what))]
-                    if batched and not isinstance(batch, int) else [])
+                    if batched and unknown else [])
             blocks[k][l_index] = B.depending_on(
                 deps, B.reshape(B.moveaxis(c, 0, -1), block_shape(batch, out_shape, in_shape)))
     return pack_blocks(y, x, blocks)
@@ -200,13 +201,14 @@ def hessian_fwd_over_rev(fn: Callable[[Any], Any], x: Any, *, batched: bool,
     xs = flatten(x)
     in_shapes = _shapes(xs, x_paths, batched, what)
     batch = B.batch_size(xs[0]) if batched else None
+    checks: list = []  # the output's run-time batch assertions, which every column waits for
 
     def objective(d):
         y, writes = f(d)
         y = single_output(y, batched, what)
         if batched:
-            deps = _check_output_batch([y], ["output"], batch, what)
-            y = B.depending_on(deps, B.sum(y))
+            checks[:] = _check_output_batch([y], ["output"], batch, what)
+            y = B.sum(y)
         return y, writes
 
     if not any(num_elements(s) for s in in_shapes):
@@ -222,7 +224,7 @@ def hessian_fwd_over_rev(fn: Callable[[Any], Any], x: Any, *, batched: bool,
         def column(i, l_index=l_index, x_l=x_l, in_shape=in_shape):
             t = _unit(in_shape, x_l.dtype, x_l, batched, i)
             _, hv, writes = B.jvp_along(gradient, x, l_index, t)
-            return flatten(hv), writes
+            return [B.depending_on(checks, h) for h in flatten(hv)], writes
 
         columns, writes = B.stack_map(column, n, chunk_size, x_l)
         if all(c is None for c in columns_by_tangent):
