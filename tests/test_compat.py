@@ -36,6 +36,27 @@ def test_layers_and_their_own_variables():
     assert _compat.own_trainable_variables(dense) == [dense.kernel]
 
 
+def test_every_layer_built_looks_inside_nested_layers():
+    class Holder(keras.layers.Layer):  # built, but its sublayer builds on first call only
+        def __init__(self):
+            super().__init__()
+            self.inner = keras.layers.Dense(2)
+
+        def build(self, input_shape):
+            self.built = True
+
+        def call(self, x):
+            return self.inner(x)
+
+    inner = keras.Sequential([keras.layers.Dense(2)])
+    outer = keras.Sequential([keras.Input((3,)), inner, keras.layers.Dense(1)])
+    assert _compat.every_layer_built(outer)
+    holder = Holder()
+    holder.build((None, 3))
+    assert holder.built and not holder.inner.built
+    assert not _compat.every_layer_built(holder)
+
+
 def test_seed_generators_and_training_argument():
     model = _nested()
     assert _compat.owns_seed_generator(model.get_layer("inner").get_layer("drop"))

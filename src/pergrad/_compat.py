@@ -82,6 +82,13 @@ def micro_steps(optimizer: Any) -> Any:
     return optimizer._iterations
 
 
+def every_layer_built(model: Any) -> bool:
+    """Whether ``model`` and every layer it holds, nested ones included, are built
+    (``Layer._flatten_layers``, the walk Keras's ``_symbolic_build`` takes): a train step traced
+    now creates no layer variable."""
+    return all(layer.built for layer in model._flatten_layers())
+
+
 def symbolic_build(model: Any, data_batch: Any) -> None:
     """Create every variable ``fit`` would create before its first step (``Trainer._symbolic_
     build``): the model's, the compiled metrics' and loss's (on symbolic tensors shaped like

@@ -27,7 +27,7 @@ import warnings
 import keras
 import numpy as np
 
-from pergrad._compat import symbolic_build
+from pergrad._compat import every_layer_built, symbolic_build
 from pergrad.backend.lazy import tensorflow as tf
 from pergrad.engine import compute_dtype, mixing_tolerance
 from pergrad.keras import fit_parts, step
@@ -205,7 +205,7 @@ class Trainer:
         and ``tf.function`` traces a function that creates variables twice, which doubled the
         first step's time (the per-example step is a large graph to trace)."""
         optimizer = getattr(self, "optimizer", None)
-        if optimizer is not None and not optimizer.built and self.model.built:
+        if optimizer is not None and not optimizer.built and every_layer_built(self):
             with self.distribute_strategy.scope():
                 optimizer.build(self.trainable_variables)
         return super().make_train_function(force)
