@@ -13,7 +13,13 @@ import pytest
 
 from pergrad import backend
 from pergrad.backend import routes
-from pergrad.backend.protocol import Backend, Engine, JacobianPrimitives, ModePrimitives, Trainer
+from pergrad.backend.protocol import (
+    Backend,
+    Engine,
+    FunctionalPrimitives,
+    JacobianPrimitives,
+    Trainer,
+)
 
 #: The framework each backend package imports.
 FRAMEWORKS = {"tensorflow": "tensorflow", "jax": "jax", "torch": "torch"}
@@ -33,22 +39,22 @@ def _declared(protocol: type = Backend) -> tuple[dict, set]:
 
 
 #: The running backend's parts above ``backend/`` and what they declare (the Jacobian's
-#: primitives: the modes' everywhere, and on JAX and PyTorch, where
+#: primitives: the same everywhere, and on JAX and PyTorch, where
 #: ``pergrad.jacobian._functional`` compiles, its own too).
-PARTS = {"engine": Engine, "trainer": Trainer, "jacobian": JacobianPrimitives}
+PARTS = {"engine": Engine, "trainer": Trainer, "jacobian": FunctionalPrimitives}
 
 
 @pytest.mark.parametrize("part", sorted(PARTS))
 def test_the_running_backends_parts_export_their_protocol(part):
     protocol = PARTS[part]
     if part == "jacobian" and keras.backend.backend() == "tensorflow":
-        protocol = ModePrimitives  # tf.function compiles: pergrad.jacobian._compile
+        protocol = JacobianPrimitives  # tf.function compiles: backend/tensorflow/jacobian_*
     import pergrad.keras  # noqa: F401 - PerExampleModel imports the trainer part first
 
     module = backend.part(part)
     assert module.__name__ == f"pergrad.backend.{keras.backend.backend()}.{part}"
     methods, constants = _declared(protocol)
-    assert methods and (constants or protocol is ModePrimitives)
+    assert methods and (constants or protocol is JacobianPrimitives)
     for method, parameters in methods.items():
         member = getattr(module, method, None)
         assert callable(member), f"{module.__name__} lacks {method}"

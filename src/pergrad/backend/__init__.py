@@ -11,10 +11,11 @@ its trainers in ``keras/src/backend/*/trainer.py``: ``engine`` (how one forward 
 with taps, how one backward pass reaches them, the generic rule and the whole-model baselines;
 :class:`pergrad.backend.protocol.Engine`), ``trainer`` (the train step's per-backend part and
 ``PerExampleModel``'s trainer base; :class:`pergrad.backend.protocol.Trainer`) and
-``jacobian`` (the primitives of :mod:`pergrad.jacobian._modes`,
-:class:`pergrad.backend.protocol.ModePrimitives`; on JAX and PyTorch also those of
-:mod:`pergrad.jacobian._functional`, :class:`pergrad.backend.protocol.JacobianPrimitives`). :func:`part` imports one of them on first
-use; the packages themselves never import them, so the rest of ``backend/`` stays below
+``jacobian`` (what :mod:`pergrad.jacobian` differentiates, walks structures, compiles and
+computes one-shot products with, :class:`pergrad.backend.protocol.JacobianPrimitives`; on JAX
+and PyTorch through :mod:`pergrad.jacobian._functional`,
+:class:`pergrad.backend.protocol.FunctionalPrimitives`). :func:`part` imports one of them on
+first use; the packages themselves never import them, so the rest of ``backend/`` stays below
 everything else.
 """
 

@@ -1,6 +1,6 @@
 """What every backend package exports: the :class:`Backend` protocol; what its ``engine``,
 ``trainer`` and ``jacobian`` modules export: :class:`Engine`, :class:`Trainer` and
-:class:`JacobianPrimitives`.
+:class:`JacobianPrimitives` (:class:`FunctionalPrimitives` on JAX and PyTorch).
 
 ``pergrad.backend.tensorflow``, ``pergrad.backend.jax`` and ``pergrad.backend.torch`` are packages
 with these names, as Keras's own ``keras/src/backend/{tensorflow,jax,torch}`` are; the running
@@ -12,7 +12,7 @@ package exports every name below with the same parameters.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable
+from collections.abc import Callable, Hashable
 from typing import Any, Protocol
 
 from pergrad.backend.routes import Routes
@@ -295,10 +295,56 @@ class ModePrimitives(Protocol):
 
 
 class JacobianPrimitives(ModePrimitives, Protocol):
-    """``pergrad.backend.<name>.jacobian`` on JAX and PyTorch: besides the modes' primitives,
-    what :mod:`pergrad.jacobian._functional` compiles computations and one-shot products with
-    (TensorFlow's are ``tf.function`` in :mod:`pergrad.jacobian._compile` and
-    :mod:`pergrad.jacobian._transforms`)."""
+    """``pergrad.backend.<name>.jacobian`` on every backend: besides the modes' primitives, what
+    :mod:`pergrad.jacobian` walks structures, compiles and computes one-shot products with
+    (``tf.function`` on TensorFlow, ``jax.jit`` on JAX, eager torch.func on PyTorch)."""
+
+    def flatten(self, structure: Any) -> list:
+        """The leaves of ``structure`` (dict keys sorted, None a leaf)."""
+
+    def pack_as(self, structure: Any, leaves: list) -> Any:
+        """``leaves`` nested like ``structure`` (the inverse of :meth:`flatten`)."""
+
+    def convert_leaf(self, x: Any) -> Any:
+        """``x`` as a tensor of the backend; the backend's variables pass unchanged."""
+
+    def user_function(self, f: Callable[..., Any]) -> Callable[..., Any]:
+        """What a plain function f becomes before it is traced (AutoGraph on TensorFlow)."""
+
+    def dispatch(self, build: Callable[[Hashable], Callable[..., Any]], f: Any, *, name: str,
+                 jit_compile: bool) -> Any:
+        """``(key, *args) -> build(key)(*args)``, compiled once per structural key and counting
+        its traces (``trace_count``)."""
+
+    def signature_function(self, run: Callable[..., Any], *, name: str, jit_compile: bool,
+                           input_signature: Any, what: str) -> Any:
+        """``run`` compiled once for a user's input signature (``NotImplementedError`` naming
+        ``what`` where a backend has no such thing)."""
+
+    def structural_key(self, args: tuple, batched: bool) -> Hashable:
+        """What of ``args`` fixes a compiled Jacobian's layout (nesting, dtypes, shapes; all but
+        the batch dimension when batched)."""
+
+    def convert_argument(self, arg: Any, pos: int, what: str) -> Any:
+        """A differentiated argument as floating tensors (``TypeError`` naming its path when
+        it cannot be one)."""
+
+    def jvp_product(self, f: Callable[..., Any], primals: Any, tangents: Any, *,
+                    training: bool) -> tuple[Any, Any]:
+        """``(f(x), J(x) t)``, compiled once per f (:func:`pergrad.jacobian.jvp`)."""
+
+    def vjp_product(self, f: Callable[..., Any], primals: Any, *,
+                    training: bool) -> tuple[Any, Callable[[Any], Any]]:
+        """``(f(x), u -> u^T J(x))``, compiled once per f (:func:`pergrad.jacobian.vjp`)."""
+
+    def hvp_product(self, f: Callable[..., Any], primals: Any, vectors: Any, *,
+                    training: bool) -> Any:
+        """``H(x) v`` of a scalar f, compiled once per f (:func:`pergrad.jacobian.hvp`)."""
+
+
+class FunctionalPrimitives(JacobianPrimitives, Protocol):
+    """``pergrad.backend.<name>.jacobian`` on JAX and PyTorch: besides the above, what
+    :mod:`pergrad.jacobian._functional` (their shared ``dispatch`` and products) compiles with."""
 
     #: ``compile`` traces its body once per shape (JAX), or runs it eagerly (PyTorch).
     TRACES: bool
@@ -322,4 +368,5 @@ class JacobianPrimitives(ModePrimitives, Protocol):
         """``(y, J t, aux)`` for ``fn(*primals) = (y, aux)``."""
 
 
-__all__ = ["Backend", "Engine", "JacobianPrimitives", "ModePrimitives", "Trainer"]
+__all__ = ["Backend", "Engine", "FunctionalPrimitives", "JacobianPrimitives", "ModePrimitives",
+           "Trainer"]

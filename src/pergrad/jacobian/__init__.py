@@ -17,7 +17,7 @@ import sys
 import types
 
 from pergrad.jacobian._api import Hessian, Jacobian, hessian, jacfwd, jacobian, jacrev
-from pergrad.jacobian._compile import trace_counts
+from pergrad.jacobian._cache import trace_counts
 from pergrad.jacobian._transforms import hvp, jvp, vjp
 
 __all__ = [

@@ -7,8 +7,8 @@ from typing import Any
 
 import keras
 
-from pergrad.backend import is_tensorflow, require_supported
-from pergrad.backend.lazy import tensorflow as tf
+from pergrad import backend
+from pergrad.backend import require_supported
 from pergrad.jacobian import _modes
 from pergrad.jacobian._call import (
     Argnums,
@@ -17,9 +17,8 @@ from pergrad.jacobian._call import (
     normalize_argnums,
     split_args,
 )
-from pergrad.jacobian._compile import ShapeDispatch, Traced, structural_key
 from pergrad.jacobian._modes import MODES, choose_mode
-from pergrad.jacobian._structure import flatten, input_size, leaf_paths, rank, to_tensor
+from pergrad.jacobian._structure import flatten, input_size, leaf_paths, rank
 
 
 def _check_chunk_size(chunk_size: int | None, what: str) -> int | None:
@@ -66,27 +65,21 @@ class _CompiledDerivative:
         self._last_key: Hashable | None = None
         self._built = False
         self.input_signature = input_signature
-        self._signature_fn: Traced | None = None
-        if not is_tensorflow():
-            if input_signature is not None:
-                raise NotImplementedError(
-                    f"{what}: input_signature is a tf.function feature and has no meaning on "
-                    "JAX, where jax.jit compiles once per input shape (a new batch size traces "
-                    "once more), or on PyTorch, where nothing is compiled. Leave "
-                    "input_signature=None."
-                )
-            from pergrad.jacobian import _functional
-
-            self._dispatch = _functional.Dispatch(self._build, f)
-            return
-        self._dispatch = ShapeDispatch(self._build, name=what, jit_compile=self.jit_compile)
+        # The backend compiles: one tf.function per structural key on TensorFlow, one jax.jit
+        # on JAX, torch.func transforms run eagerly on PyTorch.
+        self._backend = backend.part("jacobian")
+        self._signature_fn: Any = None
         if input_signature is not None:
-            self._signature_fn = Traced(
+            self._signature_fn = self._backend.signature_function(
                 self._build("input_signature"),
                 name=what,
                 jit_compile=self.jit_compile,
                 input_signature=input_signature,
+                what=what,
             )
+        self._dispatch = self._backend.dispatch(
+            self._build, f, name=what, jit_compile=self.jit_compile
+        )
 
     @property
     def trace_count(self) -> int:
@@ -108,35 +101,13 @@ class _CompiledDerivative:
         if self._signature_fn is not None:
             self._last_key = "input_signature"
             return self._signature_fn(*args)
-        if not is_tensorflow():
-            from pergrad.jacobian import _functional
-
-            key = _functional.structural_key(args, self.batched)
-        else:
-            key = structural_key(args, self.batched)
+        key = self._backend.structural_key(args, self.batched)
         self._last_key = key
         return self._dispatch(key, *args)
 
     def _convert(self, arg: Any, pos: int) -> Any:
         """Differentiated argument: float tensors pass through; others converted or refused."""
-        if not is_tensorflow():
-            from pergrad.jacobian import _functional
-
-            return _functional.convert(arg, pos, self._what)
-        if isinstance(arg, tf.Tensor) and arg.dtype.is_floating:
-            return arg  # fast path: the common case costs one isinstance check
-        what = self._what
-        paths = leaf_paths(arg, f"args[{pos}]")
-        leaves = tf.nest.flatten(arg)
-        converted = [to_tensor(leaf, p, what) for leaf, p in zip(leaves, paths, strict=True)]
-        for leaf, p in zip(converted, paths, strict=True):
-            if isinstance(leaf, tf.Variable):
-                raise TypeError(
-                    f"{what}: {p} is a tf.Variable; this transform differentiates with "
-                    "respect to tensor arguments. Pass tf.convert_to_tensor(v) and use it "
-                    "inside f, or use pergrad.jacobian.jvp/vjp/hvp, which accept variables."
-                )
-        return tf.nest.pack_sequence_as(arg, converted)
+        return self._backend.convert_argument(arg, pos, self._what)
 
     def _check_batch(self, args: tuple, positions: list[int]) -> None:
         leaves = [leaf for pos in positions for leaf in flatten(args[pos])]

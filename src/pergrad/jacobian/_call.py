@@ -7,8 +7,7 @@ from typing import Any
 
 import keras
 
-from pergrad.backend import is_tensorflow
-from pergrad.backend.lazy import tensorflow as tf
+from pergrad import backend
 
 Argnums = int | Sequence[int] | None
 
@@ -18,9 +17,9 @@ def make_caller(f: Callable[..., Any], training: bool, what: str) -> Callable[..
 
     Keras layers and models default to ``training=False`` (inference: dropout off, BatchNorm
     with moving statistics). A plain function controls its own behaviour, so asking for
-    ``training=True`` there is an error rather than a silently ignored flag. On TensorFlow a
-    plain function is converted by AutoGraph; JAX traces, and PyTorch runs, Python control
-    flow as it is.
+    ``training=True`` there is an error rather than a silently ignored flag. A plain function
+    is what the backend's ``user_function`` makes of it: converted by AutoGraph on TensorFlow;
+    as it is on JAX, which traces Python control flow, and on PyTorch, which runs it.
     """
     if not callable(f):
         raise TypeError(f"{what}: f must be callable (a Keras model or layer, or a function).")
@@ -36,19 +35,7 @@ def make_caller(f: Callable[..., Any], training: bool, what: str) -> Callable[..
             f"{what}: training=True applies to Keras layers and models only; f is a "
             f"{type(f).__name__}. Call your model with training=True inside f instead."
         )
-    return autograph(f) if is_tensorflow() else f
-
-
-def autograph(f: Callable[..., Any]) -> Callable[..., Any]:
-    """f converted by AutoGraph (Python control flow on tensors), as `tf.function` would do.
-
-    Our own tracing code runs with ``autograph=False``; only the user's function is converted.
-    Callables AutoGraph cannot convert (no source, builtins) are used as they are.
-    """
-    try:
-        return tf.autograph.to_graph(f)
-    except Exception:  # noqa: BLE001 - AutoGraph raises many kinds; unconverted f still works
-        return f
+    return backend.part("jacobian").user_function(f)
 
 
 def primal_args(primals: Any) -> tuple[tuple, bool]:

@@ -31,15 +31,9 @@ from typing import Any
 import keras
 
 from pergrad import backend
+from pergrad.jacobian._cache import compiled_for
 from pergrad.jacobian._call import make_caller, primal_args
-from pergrad.jacobian._compile import compiled_for
-from pergrad.jacobian._structure import (
-    flatten,
-    leaf_paths,
-    pack_as,
-    single_output,
-    to_tensor,
-)
+from pergrad.jacobian._structure import leaf_paths, single_output, to_tensor
 
 
 def _backend() -> ModuleType:
@@ -47,6 +41,21 @@ def _backend() -> ModuleType:
     ``detach``, ``vjp``, ``jvp``, ``grad``, ``stack_map``, ``eval_shape``, ``basis``,
     ``zeros_like``, ``zeros``, ``reshape``, ``moveaxis``, ``cast``, ``as_array``, ``sum``."""
     return backend.part("jacobian")
+
+
+# -- structures and the user's f: as Keras and Python have them ------------------------------
+flatten = keras.tree.flatten
+pack_as = keras.tree.pack_sequence_as
+
+
+def convert_leaf(x: Any) -> Any:
+    """``x`` as a tensor of the backend; a Keras variable passes unchanged."""
+    return x if isinstance(x, keras.Variable) else keras.ops.convert_to_tensor(x)
+
+
+def user_function(f: Callable[..., Any]) -> Callable[..., Any]:
+    """f as it is: JAX traces Python control flow, PyTorch runs it."""
+    return f
 
 
 # -- Keras variables as values ----------------------------------------------------------------
@@ -255,7 +264,26 @@ class Dispatch:
         return compiled(*args)
 
 
-def convert(arg: Any, pos: int, what: str) -> Any:
+def dispatch(build: Callable[[Hashable], Callable[..., Any]], f: Any, *, name: str,
+             jit_compile: bool) -> Dispatch:
+    """One `Compiled` per structural key (``jit_compile`` means nothing here: XLA compiles
+    everything on JAX, nothing is compiled on PyTorch)."""
+    del name, jit_compile
+    return Dispatch(build, f)
+
+
+def signature_function(run: Callable[..., Any], *, name: str, jit_compile: bool,
+                       input_signature: Any, what: str) -> Any:
+    """No such thing: ``input_signature`` is a ``tf.function`` feature."""
+    del run, name, jit_compile, input_signature
+    raise NotImplementedError(
+        f"{what}: input_signature is a tf.function feature and has no meaning on JAX, where "
+        "jax.jit compiles once per input shape (a new batch size traces once more), or on "
+        "PyTorch, where nothing is compiled. Leave input_signature=None."
+    )
+
+
+def convert_argument(arg: Any, pos: int, what: str) -> Any:
     """A differentiated argument: float arrays pass; others are converted or refused."""
     if _backend().is_float_array(arg):
         return arg
@@ -394,14 +422,16 @@ def _hvp_run(call, layout):
     return run
 
 
-def jvp(f: Any, primals: Any, tangents: Any, *, training: bool) -> tuple[Any, Any]:
+def jvp_product(f: Any, primals: Any, tangents: Any, *, training: bool) -> tuple[Any, Any]:
+    """``(f(x), J(x) t)`` (see `pergrad.jacobian.jvp`)."""
     args, _ = primal_args(primals)
     prim = _Primals(args, "jvp")
     tans = prim.match(tangents, "tangents", "jvp")
     return _compiled(f, "jvp", training, prim, _jvp_run)(prim.arrays, tans)
 
 
-def vjp(f: Any, primals: Any, *, training: bool) -> tuple[Any, Callable[[Any], Any]]:
+def vjp_product(f: Any, primals: Any, *, training: bool) -> tuple[Any, Callable[[Any], Any]]:
+    """``(f(x), vjp_fn)``; ``vjp_fn`` runs only the backward pass (see `pergrad.jacobian.vjp`)."""
     args, was_tuple = primal_args(primals)
     prim = _Primals(args, "vjp")
     outputs, pullback = _compiled(f, "forward", training, prim, _forward_run)(prim.arrays)
@@ -428,7 +458,8 @@ def vjp(f: Any, primals: Any, *, training: bool) -> tuple[Any, Callable[[Any], A
     return outputs, vjp_fn
 
 
-def hvp(f: Any, primals: Any, vectors: Any, *, training: bool) -> Any:
+def hvp_product(f: Any, primals: Any, vectors: Any, *, training: bool) -> Any:
+    """``H(x) v``, forward-over-reverse (see `pergrad.jacobian.hvp`)."""
     args, was_tuple = primal_args(primals)
     prim = _Primals(args, "hvp")
     vecs = prim.match(vectors, "vectors", "hvp")

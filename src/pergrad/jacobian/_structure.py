@@ -15,21 +15,19 @@ from typing import Any
 import keras
 import numpy as np
 
-from pergrad.backend import is_tensorflow
-from pergrad.backend.lazy import tensorflow as tf
+from pergrad import backend
 from pergrad.backend.ops import is_floating
 
 
 def flatten(structure: Any) -> list:
-    """The leaves of `structure`, in the order `leaf_paths` names them."""
-    return tf.nest.flatten(structure) if is_tensorflow() else keras.tree.flatten(structure)
+    """The leaves of `structure`, in the order `leaf_paths` names them (the backend's
+    ``flatten``: ``tf.nest`` on TensorFlow, ``keras.tree`` elsewhere)."""
+    return backend.part("jacobian").flatten(structure)
 
 
 def pack_as(structure: Any, leaves: list) -> Any:
     """`leaves` nested like `structure` (the inverse of `flatten`)."""
-    if is_tensorflow():
-        return tf.nest.pack_sequence_as(structure, leaves)
-    return keras.tree.pack_sequence_as(structure, leaves)
+    return backend.part("jacobian").pack_as(structure, leaves)
 
 
 def on_leaf(structure: Any, index: int, value: Any, zeros_like: Callable[[Any], Any]) -> Any:
@@ -73,9 +71,10 @@ def jvp_through_zeros(fn: Callable, x: Any, index: int, t: Any) -> tuple:
 
 
 def rank(t: Any) -> int | None:
-    """The number of dimensions of `t` (None for a TensorFlow tensor of unknown rank)."""
+    """The number of dimensions of `t` (None for a TensorFlow tensor of unknown rank, whose
+    shape alone has a ``rank``)."""
     shape = t.shape
-    return shape.rank if is_tensorflow() and isinstance(shape, tf.TensorShape) else len(shape)
+    return shape.rank if hasattr(shape, "rank") else len(shape)
 
 
 def leaf_paths(structure: Any, root: str) -> list[str]:
@@ -110,21 +109,19 @@ def to_tensor(x: Any, path: str, what: str) -> Any:
     """Converts one leaf to a tensor and checks it is floating.
 
     Variables are kept as they are: a `tf.Variable` on TensorFlow, a Keras variable on
-    other backends (the callers decide what a variable means to them).
+    other backends (the backend's ``convert_leaf``; the callers decide what a variable means
+    to them).
 
     Raises:
       TypeError: naming `path` when the leaf is not floating point.
     """
-    keep = (tf.Variable,) if is_tensorflow() else (keras.Variable,)
-    if not isinstance(x, keep):
-        convert = tf.convert_to_tensor if is_tensorflow() else keras.ops.convert_to_tensor
-        try:
-            x = convert(x)
-        except (TypeError, ValueError) as err:
-            raise TypeError(
-                f"{what}: {path} is a {type(x).__name__}, which cannot be converted to a tensor. "
-                "Pass tensors, NumPy arrays or Python floats."
-            ) from err
+    try:
+        x = backend.part("jacobian").convert_leaf(x)
+    except (TypeError, ValueError) as err:
+        raise TypeError(
+            f"{what}: {path} is a {type(x).__name__}, which cannot be converted to a tensor. "
+            "Pass tensors, NumPy arrays or Python floats."
+        ) from err
     if not is_floating(x.dtype):
         raise TypeError(
             f"{what}: {path} has dtype {keras.backend.standardize_dtype(x.dtype)}; derivatives "
@@ -135,7 +132,7 @@ def to_tensor(x: Any, path: str, what: str) -> Any:
     return x
 
 
-def check_float_outputs(ys: Sequence[tf.Tensor], paths: Sequence[str], what: str) -> None:
+def check_float_outputs(ys: Sequence[Any], paths: Sequence[str], what: str) -> None:
     """Raises TypeError naming the output leaf when f returns something non-floating."""
     for y, path in zip(ys, paths, strict=True):
         if not (hasattr(y, "shape") and hasattr(y, "dtype")) or not is_floating(y.dtype):
@@ -147,7 +144,7 @@ def check_float_outputs(ys: Sequence[tf.Tensor], paths: Sequence[str], what: str
             )
 
 
-def static_shape(t: tf.Tensor, path: str, *, batched: bool, what: str) -> list[int]:
+def static_shape(t: Any, path: str, *, batched: bool, what: str) -> list[int]:
     """The static shape that indexes Jacobian rows or columns: per-example if `batched`.
 
     Raises:
@@ -189,16 +186,11 @@ def input_size(x: Any, x_paths: list[str], *, batched: bool, what: str) -> int:
     )
 
 
-def block_shape(
-    batch: int | tf.Tensor | None, out_shape: Sequence[int], in_shape: Sequence[int]
-) -> list[int] | tf.Tensor:
-    """Final shape of one Jacobian block: ([B,] *out_shape, *in_shape)."""
+def block_shape(batch: Any, out_shape: Sequence[int], in_shape: Sequence[int]) -> list:
+    """Final shape of one Jacobian block: ([B,] *out_shape, *in_shape); ``batch`` is an int, a
+    scalar tensor known at run time only (TensorFlow packs such a list itself) or None."""
     dims = list(out_shape) + list(in_shape)
-    if batch is None:
-        return dims
-    if isinstance(batch, int):
-        return [batch, *dims]
-    return tf.concat([tf.reshape(batch, [1]), tf.constant(dims, tf.int32)], axis=0)
+    return dims if batch is None else [batch, *dims]
 
 
 def pack_blocks(outputs: Any, inputs: Any, blocks: list[list[Any]]) -> Any:

@@ -11,6 +11,19 @@ import jax.numpy as jnp
 import numpy as np
 
 from pergrad.backend.jax.engine import compile_function
+from pergrad.jacobian._functional import (  # noqa: F401 - what JAX and PyTorch share
+    convert_argument,
+    convert_leaf,
+    dispatch,
+    flatten,
+    hvp_product,
+    jvp_product,
+    pack_as,
+    signature_function,
+    structural_key,
+    user_function,
+    vjp_product,
+)
 from pergrad.jacobian._structure import (
     jvp_through_zeros,
     no_batch_assert,

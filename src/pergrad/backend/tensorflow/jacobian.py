@@ -1,7 +1,8 @@
 """The TensorFlow primitives of `pergrad.jacobian._modes`: a persistent ``GradientTape`` for
 reverse mode, ``tf.autodiff.ForwardAccumulator`` for forward mode and ``tf.vectorized_map``
 (pfor) over the basis index, all inside the one ``tf.function`` trace that
-`pergrad.jacobian._compile` builds per input signature.
+`pergrad.backend.tensorflow.jacobian_compile` builds per input signature (the compiling and the
+one-shot products, `jacobian_products`, are this module's too: imported below).
 
 TensorFlow reads and writes Keras variables inside the trace itself, so f needs no state
 threaded through it (`_modes` leaves ``writes`` empty). Shapes may be dynamic: a batch size
@@ -21,8 +22,30 @@ from typing import Any
 
 import tensorflow as tf
 
+from pergrad.backend.tensorflow.jacobian_compile import (  # noqa: F401 - the protocol's names
+    convert_argument,
+    dispatch,
+    signature_function,
+    structural_key,
+    user_function,
+)
+from pergrad.backend.tensorflow.jacobian_products import (  # noqa: F401 - the protocol's names
+    hvp_product,
+    jvp_product,
+    vjp_product,
+)
+
 #: Gradients of outputs that do not depend on an input are zeros, not None.
 ZERO = tf.UnconnectedGradients.ZERO
+
+
+flatten = tf.nest.flatten
+pack_as = tf.nest.pack_sequence_as
+
+
+def convert_leaf(x: Any) -> Any:
+    """``x`` as a tensor; a ``tf.Variable`` passes unchanged."""
+    return x if isinstance(x, tf.Variable) else tf.convert_to_tensor(x)
 
 
 def batch_size(t: Any) -> int | Any:

@@ -37,6 +37,19 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 import pergrad
 from pergrad._compat import torch_convolutions_in_vmap
 from pergrad.engine.functional import assign_written, stateless
+from pergrad.jacobian._functional import (  # noqa: F401 - what JAX and PyTorch share
+    convert_argument,
+    convert_leaf,
+    dispatch,
+    flatten,
+    hvp_product,
+    jvp_product,
+    pack_as,
+    signature_function,
+    structural_key,
+    user_function,
+    vjp_product,
+)
 from pergrad.jacobian._structure import (
     jvp_through_zeros,
     no_batch_assert,

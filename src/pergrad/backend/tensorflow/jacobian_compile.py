@@ -1,4 +1,5 @@
-"""Compile once: traced functions with a trace counter, shape-keyed dispatch, a cache per f.
+"""How `pergrad.jacobian` compiles on TensorFlow: ``tf.function`` traces with a trace counter,
+one per structural key, and what a differentiated argument and the user's f become first.
 
 * `Traced` wraps a Python function in ``tf.function(reduce_retracing=True)`` and counts how
   many times TensorFlow traced it (a Python counter bumped inside the traced body: it runs at
@@ -10,21 +11,20 @@
   most once, and the traced code always sees the static per-example shapes it needs to build
   one-hot bases. (A single relaxed tf.function would, after seeing two shapes, trace with
   ``None`` dimensions that the basis cannot use.)
-* `compiled_for(f, kind, options, build)` caches one compiled object per (f, kind, options)
-  without keeping f alive, so that one-shot helpers (`jvp`, `vjp`, `hvp`) called in a loop with
-  the same f reuse one trace.
+* `user_function` converts a plain f with AutoGraph, as ``tf.function`` would: our own tracing
+  runs with ``autograph=False``.
 """
 
 from __future__ import annotations
 
 import threading
-import weakref
 from collections.abc import Callable, Hashable
 from typing import Any
 
 import numpy as np
+import tensorflow as tf
 
-from pergrad.backend.lazy import tensorflow as tf
+from pergrad.jacobian._structure import leaf_paths, to_tensor
 
 
 class _Counted:
@@ -120,73 +120,44 @@ class ShapeDispatch:
         return traced(*args)
 
 
-# ---------------------------------------------------------------------------------------------
-# Per-f cache for the one-shot helpers.
-
-_CACHE: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-_STRONG_CACHE: dict[int, tuple[Any, dict]] = {}  # for callables that cannot be weakly referenced
-_CACHE_LOCK = threading.Lock()
-
-
-def _owner_and_key(f: Any) -> tuple[Any, Hashable]:
-    """Bound methods are recreated on every attribute access: key them by (instance, function)."""
-    if hasattr(f, "__self__") and hasattr(f, "__func__"):
-        return f.__self__, ("method", f.__func__)
-    return f, ("callable",)
+def dispatch(build: Callable[[Hashable], Callable[..., Any]], f: Any, *, name: str,
+             jit_compile: bool) -> ShapeDispatch:
+    """One ``tf.function`` per structural key of the arguments, made by ``build(key)``."""
+    del f  # the trace reads f's variables itself
+    return ShapeDispatch(build, name=name, jit_compile=jit_compile)
 
 
-def _slot(owner: Any) -> dict:
-    try:
-        return _CACHE.setdefault(owner, {})
-    except TypeError:  # not weakly referenceable: keep it (and f) alive
-        entry = _STRONG_CACHE.setdefault(id(owner), (owner, {}))
-        return entry[1]
+def signature_function(run: Callable[..., Any], *, name: str, jit_compile: bool,
+                       input_signature: Any, what: str) -> Traced:
+    """``run`` traced once for the user's ``input_signature`` (a ``tf.TensorSpec`` list)."""
+    del what
+    return Traced(run, name=name, jit_compile=jit_compile, input_signature=input_signature)
 
 
-def compiled_for(f: Any, kind: str, options: Hashable, build: Callable[[Callable], Any]) -> Any:
-    """The cached compiled object for (f, kind, options), built by ``build(f_ref)`` once.
+def user_function(f: Callable[..., Any]) -> Callable[..., Any]:
+    """f converted by AutoGraph (Python control flow on tensors), as `tf.function` would do.
 
-    ``build`` receives a zero-argument function returning f (a weak reference where possible),
-    so the compiled object does not keep f alive through the cache.
+    Our own tracing code runs with ``autograph=False``; only the user's function is converted.
+    Callables AutoGraph cannot convert (no source, builtins) are used as they are.
     """
-    owner, fkey = _owner_and_key(f)
-    with _CACHE_LOCK:
-        slot = _slot(owner)
-        key = (fkey, kind, options)
-        compiled = slot.get(key)
-        if compiled is None:
-            compiled = build(_weak_getter(f))
-            slot[key] = compiled
-    return compiled
-
-
-def _weak_getter(f: Any) -> Callable[[], Any]:
-    if hasattr(f, "__self__") and hasattr(f, "__func__"):
-        try:
-            return weakref.WeakMethod(f)  # type: ignore[return-value]
-        except TypeError:
-            return lambda: f
     try:
-        return weakref.ref(f)
-    except TypeError:
-        return lambda: f
+        return tf.autograph.to_graph(f)
+    except Exception:  # noqa: BLE001 - AutoGraph raises many kinds; unconverted f still works
+        return f
 
 
-def trace_counts(f: Callable[..., Any]) -> dict[str, int]:
-    """How many times the one-shot helpers traced for f, by kind (``{"jvp": 1, ...}``; on
-    PyTorch, which traces nothing, how many primal layouts they were built for).
-
-    Calling `jvp`, `vjp` or `hvp` again with the same f and the same argument shapes and
-    dtypes must leave these numbers unchanged; use it to check a training loop does not retrace.
-    """
-    owner, fkey = _owner_and_key(f)
-    with _CACHE_LOCK:
-        try:
-            slot = _CACHE.get(owner)
-        except TypeError:
-            slot = _STRONG_CACHE.get(id(owner), (None, None))[1]
-    counts: dict[str, int] = {}
-    for (key_f, kind, _), compiled in (slot or {}).items():
-        if key_f == fkey:
-            counts[kind] = counts.get(kind, 0) + compiled.trace_count
-    return counts
+def convert_argument(arg: Any, pos: int, what: str) -> Any:
+    """A differentiated argument: float tensors pass through; others converted or refused."""
+    if isinstance(arg, tf.Tensor) and arg.dtype.is_floating:
+        return arg  # fast path: the common case costs one isinstance check
+    paths = leaf_paths(arg, f"args[{pos}]")
+    leaves = tf.nest.flatten(arg)
+    converted = [to_tensor(leaf, p, what) for leaf, p in zip(leaves, paths, strict=True)]
+    for leaf, p in zip(converted, paths, strict=True):
+        if isinstance(leaf, tf.Variable):
+            raise TypeError(
+                f"{what}: {p} is a tf.Variable; this transform differentiates with "
+                "respect to tensor arguments. Pass tf.convert_to_tensor(v) and use it "
+                "inside f, or use pergrad.jacobian.jvp/vjp/hvp, which accept variables."
+            )
+    return tf.nest.pack_sequence_as(arg, converted)
