@@ -26,6 +26,8 @@ import pytest  # noqa: E402
 from hypothesis import given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
+from pergrad import backend  # noqa: E402
+from pergrad.backend import routes  # noqa: E402
 from pergrad.jacobian import (  # noqa: E402
     hessian,
     hvp,
@@ -248,6 +250,52 @@ def test_cnn_input_jacobian_batched_matches_batch_jacobian_and_fd(mode):
     assert J.shape == (3, 4, 6, 6, 2)
     close(J, oracle_batch_jacobian(model, x))
     close(J[1], central_fd(model, x[1:2], MODEL_FD_EPS)[0, :, 0], MODEL_FD_RTOL)
+
+
+@pytest.mark.parametrize("per_example", [False, True])
+def test_batched_forward_mode_by_either_route_matches_the_oracle(per_example):
+    """Batched forward mode pushes one tangent shared by the whole batch, or (JAX's route,
+    ``Routes.per_example_forward_mode``, forced here on every backend) maps over the examples,
+    each a batch of one: both give the loop oracle's numbers, for a CNN (in chunks too) and
+    for nested inputs and outputs with an empty leaf."""
+    model = small_cnn()
+    x = rand(3, 6, 6, 2, seed=4)
+
+    def f(inp):
+        u, v, empty = inp
+        return {"p": xp.tanh(u[:, :2] * v), "q": xp.sum(u, axis=1) * v[:, 0] + xp.sum(empty)}
+
+    u, v, empty = rand(3, 4, seed=11), rand(3, 2, seed=12), rand(3, 0, seed=13)
+    with routes.forced(per_example_forward_mode=per_example):
+        cnn = jacobian(model, mode="fwd", batched=True)(x)
+        chunked = jacobian(model, mode="fwd", batched=True, chunk_size=5)(x)
+        nested = jacobian(f, mode="fwd", batched=True)((u, v, empty))
+    close(cnn, oracle_batch_jacobian(model, x))
+    close(chunked, cnn, MODEL_REPEAT_RTOL)
+    close(nested["p"][0], oracle_batch_jacobian(lambda t: f((t, v, empty))["p"], u))
+    close(nested["p"][1], oracle_batch_jacobian(lambda t: f((u, t, empty))["p"], v))
+    close(nested["q"][0], oracle_batch_jacobian(lambda t: f((t, v, empty))["q"][:, None], u)[:, 0])
+    assert nested["q"][2].shape == (3, 0) and nested["p"][2].shape == (3, 2, 0)
+
+
+def test_batched_forward_mode_takes_the_per_example_route_where_the_backend_says(monkeypatch):
+    """Where ``Routes.per_example_forward_mode`` is on (JAX), inference takes it and
+    ``training=True`` (f's examples may share batch statistics) does not; elsewhere neither."""
+    from pergrad.jacobian import _modes
+
+    calls = []
+    route = _modes._jacobian_fwd_per_example
+    monkeypatch.setattr(_modes, "_jacobian_fwd_per_example",
+                        lambda *a, **k: calls.append(1) or route(*a, **k))
+    model = small_cnn()
+    x = rand(3, 6, 6, 2, seed=4)
+    jacobian(model, mode="fwd", batched=True)(x)
+    assert len(calls) == (1 if backend.native().ROUTES.per_example_forward_mode else 0)
+    assert backend.native().ROUTES.per_example_forward_mode == ON_JAX
+    calls.clear()
+    jacobian(model, mode="fwd", batched=True, training=True)(x)
+    jacobian(model, mode="fwd", batched=False)(x[:1])
+    assert not calls
 
 
 @pytest.mark.parametrize("mode", ["rev", "fwd", "auto"])

@@ -278,6 +278,9 @@ class ModePrimitives(Protocol):
     def zeros(self, shape: list[int], dtype: Any, like: Any) -> Any:
         """Zeros of ``shape`` on ``like``'s device."""
 
+    def one_example(self, t: Any, index: Any) -> Any:
+        """``t[index:index + 1]`` for a (possibly traced, vectorized) scalar ``index``."""
+
     def zeros_like(self, t: Any) -> Any:
         """Zeros shaped like ``t``."""
 

@@ -96,6 +96,11 @@ class Routes:
             sums) take the backend's fastest kernel (TensorFlow: a nested XLA computation;
             PyTorch: ``index_add_``, which also keeps float64) instead of Keras's
             ``ops.segment_sum`` (:func:`Backend.segment_sum`).
+        per_example_forward_mode: a batched forward-mode Jacobian in inference maps over the
+            examples, each a batch of one with its own one-hot tangents, rather than pushing one
+            tangent shared by the whole batch (:mod:`pergrad.jacobian._modes`): the vectorized
+            products of what does not depend on the example (a first layer's JVP) then run once,
+            not once per example (JAX: 3x faster on the benchmark CNN).
     """
 
     eager: bool
@@ -119,6 +124,7 @@ class Routes:
     one_pass_row_norms: bool = False
     nested_xla_outer_products: bool = False
     native_segment_sums: bool = True
+    per_example_forward_mode: bool = False
 
 
 #: TensorFlow: native kernels for padding, patches, filter gradients (folded, grouped,
@@ -165,6 +171,7 @@ JAX = Routes(
     embedding_norms="sorted",
     embedding_pairwise_max_positions=128,
     grouped_conv=None,
+    per_example_forward_mode=True,
 )
 
 #: PyTorch (eager): intermediates built only when read; ``torch.nn.grad.conv2d_weight`` with

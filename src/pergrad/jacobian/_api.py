@@ -196,8 +196,11 @@ class Jacobian(_CompiledDerivative):
             n_out = math.output_sizes(fn, x, batched=self.batched, what="jacobian")
             mode = choose_mode(n_in, n_out)
         self._mode_by_key[key] = mode
-        impl = math.jacobian_rev if mode == "rev" else math.jacobian_fwd
-        return impl(fn, x, batched=self.batched, chunk_size=self.chunk_size, x_paths=x_paths)
+        if mode == "rev":
+            return math.jacobian_rev(fn, x, batched=self.batched, chunk_size=self.chunk_size,
+                                     x_paths=x_paths)
+        return math.jacobian_fwd(fn, x, batched=self.batched, chunk_size=self.chunk_size,
+                                 x_paths=x_paths, inference=not self.training)
 
     def __repr__(self) -> str:
         return (

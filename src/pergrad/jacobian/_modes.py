@@ -26,6 +26,14 @@ of every example's Jacobian at once; likewise a tangent t[b] = e_i gives column 
 vectorized width is the per-example size, not B times it. A batch size known only at run time
 (TensorFlow) is checked by an assertion that runs with the result.
 
+Batched forward mode, one example at a time: a tangent e_i shared by every example is still a
+tangent of the whole batch, so a linear first layer pushes B copies of it. Where the backend's
+``Routes.per_example_forward_mode`` says so (JAX) and f runs in inference (nothing of it reads
+the batch), forward mode instead maps over the examples, calling f on a batch of one with the
+tangent e_i of that one example: the tangent then does not depend on the example, and the
+vectorization leaves every product of it with what does not either (the first layer's JVP) to
+run once instead of B times, as ``jax.vmap(jax.jacfwd(f))`` does.
+
 Cost rule of thumb: rev does sum_k M_k VJPs, fwd does sum_l N_l JVPs, each a small multiple
 of one forward pass. ``choose_mode`` picks the smaller cost. ``chunk_size`` vectorizes at most
 that many products at once, chunks in sequence. Random layers see one seed state per call:
@@ -49,6 +57,7 @@ from pergrad.jacobian._structure import (
     flatten,
     leaf_paths,
     num_elements,
+    pack_as,
     pack_blocks,
     single_output,
     static_shape,
@@ -139,9 +148,14 @@ def jacobian_rev(fn: Callable[[Any], Any], x: Any, *, batched: bool, chunk_size:
 
 
 def jacobian_fwd(fn: Callable[[Any], Any], x: Any, *, batched: bool, chunk_size: int | None,
-                 x_paths: list[str], what: str = "jacobian") -> Any:
-    """Forward mode: the JVP along every one-hot tangent of each input leaf, vectorized."""
+                 x_paths: list[str], what: str = "jacobian", inference: bool = False) -> Any:
+    """Forward mode: the JVP along every one-hot tangent of each input leaf, vectorized; with
+    ``batched`` and ``inference`` (f's examples are apart: it may run on one at a time) one
+    example at a time where the backend's routes say so (see the module notes)."""
     B = _backend()
+    if batched and inference and backend.native().ROUTES.per_example_forward_mode:
+        return _jacobian_fwd_per_example(fn, x, chunk_size=chunk_size, x_paths=x_paths,
+                                         what=what)
     f = pure(fn)
     xs = flatten(x)
     y, _ = B.eval_shape(f, x)  # the outputs' structure, shapes and dtypes
@@ -176,6 +190,60 @@ def jacobian_fwd(fn: Callable[[Any], Any], x: Any, *, batched: bool, chunk_size:
                     if batched and unknown else [])
             blocks[k][l_index] = B.depending_on(
                 deps, B.reshape(B.moveaxis(c, 0, -1), block_shape(batch, out_shape, in_shape)))
+    return pack_blocks(y, x, blocks)
+
+
+def _jacobian_fwd_per_example(fn: Callable[[Any], Any], x: Any, *, chunk_size: int | None,
+                              x_paths: list[str], what: str) -> Any:
+    """Batched forward mode mapped over the examples: for example b, the JVPs of f on the batch
+    of one ``x[b:b+1]`` along every one-hot tangent of one example, vectorized over the
+    tangents and then over the examples. J_kl[b] = d f(x[b:b+1])_k / d x_l[b:b+1], one example's
+    block, since f treats examples apart."""
+    B = _backend()
+    f = pure(fn)
+    xs = flatten(x)
+    y, _ = B.eval_shape(f, x)
+    ys = flatten(y)
+    y_paths = leaf_paths(y, "output")
+    check_float_outputs(ys, y_paths, what)
+    in_shapes = _shapes(xs, x_paths, True, what)
+    out_shapes = _shapes(ys, y_paths, True, what)
+    batch = B.batch_size(xs[0])
+    _check_output_batch(ys, y_paths, batch, what, run_time=False)
+
+    def example(b):
+        one = [B.one_example(leaf, b) for leaf in xs]  # (1, *ex) each
+        x_b = pack_as(x, one)
+        columns_by_leaf, writes_by_leaf = [], []
+        for l_index, (x_l, in_shape) in enumerate(zip(one, in_shapes, strict=True)):
+            n = num_elements(in_shape)
+            if n == 0:
+                columns_by_leaf.append(None)
+                continue
+
+            def column(i, l_index=l_index, x_l=x_l, in_shape=in_shape):
+                t = B.reshape(_unit(in_shape, x_l.dtype, None, False, i), [1, *in_shape])
+                _, out, writes = B.jvp_along(f, x_b, l_index, t)
+                return flatten(out), writes
+
+            columns, writes = B.stack_map(column, n, chunk_size, x_l)  # (n, 1, *out) each
+            columns_by_leaf.append(columns)
+            writes_by_leaf.append(first_writes(writes))
+        return columns_by_leaf, (writes_by_leaf[0] if writes_by_leaf else [])
+
+    per_leaf, writes = B.stack_map(example, batch, None, xs[0])  # (B, n, 1, *out) each
+    keep(first_writes(writes))
+    blocks = []
+    for k, (o, t) in enumerate(zip(out_shapes, ys, strict=True)):
+        row = []
+        for columns, s in zip(per_leaf, in_shapes, strict=True):
+            shape = block_shape(batch, o, s)
+            if columns is None:
+                row.append(B.zeros(shape, t.dtype, xs[0]))
+            else:  # (B, n, 1, *out) -> (B, *out, n) -> (B, *out, *in)
+                c = B.reshape(columns[k], [batch, num_elements(s), *o])
+                row.append(B.reshape(B.moveaxis(c, 1, -1), shape))
+        blocks.append(row)
     return pack_blocks(y, x, blocks)
 
 

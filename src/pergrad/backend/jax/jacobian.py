@@ -96,6 +96,11 @@ def basis(index: Any, shape: list[int], dtype: Any, like: Any) -> Any:
     return e if like is None else jnp.broadcast_to(e, like.shape)
 
 
+def one_example(t: Any, index: Any) -> Any:
+    """``t[index:index + 1]`` (a traced index: a dynamic slice)."""
+    return jax.lax.dynamic_index_in_dim(t, index, 0, keepdims=True)
+
+
 def zeros(shape: list[int], dtype: Any, like: Any) -> Any:
     del like  # one device: XLA places it
     return jnp.zeros(shape, dtype)

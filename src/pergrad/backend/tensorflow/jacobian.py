@@ -181,6 +181,11 @@ def basis(index: Any, shape: list[int], dtype: Any, like: Any) -> Any:
     return e if like is None else tf.broadcast_to(e, tf.shape(like))
 
 
+def one_example(t: Any, index: Any) -> Any:
+    """``t[index:index + 1]`` for a scalar index tensor."""
+    return tf.gather(t, tf.reshape(index, [1]))
+
+
 def zeros(shape: list, dtype: Any, like: Any) -> Any:
     del like
     return tf.zeros(shape, dtype)

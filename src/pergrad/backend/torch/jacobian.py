@@ -283,6 +283,11 @@ def basis(index: Any, shape: list[int], dtype: Any, like: Any) -> Any:
     return e if like is None else e.expand(like.shape)
 
 
+def one_example(t: Any, index: Any) -> Any:
+    """``t[index:index + 1]`` for a scalar index tensor."""
+    return torch.index_select(t, 0, torch.reshape(index, [1]))
+
+
 def zeros(shape: list[int], dtype: Any, like: Any) -> Any:
     return torch.zeros(shape, dtype=dtype, device=like.device)
 
