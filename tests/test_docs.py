@@ -47,6 +47,11 @@ def python_blocks(page: Path) -> list[str]:
 
 # Pages that need a package outside pergrad[tensorflow,jax,torch,test]: skipped where it is absent.
 EXTRA = {"keras_hub": "hub"}
+# What loads TensorFlow on every backend, on purpose (docs/backends.md, "TensorFlow is not loaded
+# on JAX"): tf.data's Poisson sampling and TensorBoard's event files. A page using them is
+# skipped where pergrad[jax] or pergrad[torch] was installed without pergrad[tensorflow].
+NEEDS_TENSORFLOW = re.compile(r"\bpoisson_batches\(|\blog_dir=|^\s*(import|from) tensorflow\b",
+                              re.M)
 
 
 def run_page(page: Path, tmp_path: Path, backend: str, prelude: str = "") -> None:
@@ -54,6 +59,8 @@ def run_page(page: Path, tmp_path: Path, backend: str, prelude: str = "") -> Non
     # Looked up, not imported: importing keras_hub here would load its rules into this process.
     needed = {backend: backend, **{m: e for m, e in EXTRA.items()
                                    if re.search(rf"^\s*(import|from) {m}\b", code, re.M)}}
+    if NEEDS_TENSORFLOW.search(code):
+        needed["tensorflow"] = "tensorflow"
     for module, extra in needed.items():
         if importlib.util.find_spec(module) is None:
             pytest.skip(f"needs {module} (pip install pergrad[{extra}])")
