@@ -28,8 +28,8 @@ vectorized width is the per-example size, not B times it. A batch size known onl
 
 Batched forward mode, one example at a time: a tangent e_i shared by every example is still a
 tangent of the whole batch, so a linear first layer pushes B copies of it. Where the backend's
-``Routes.per_example_forward_mode`` says so (JAX) and f runs in inference (nothing of it reads
-the batch), forward mode instead maps over the examples, calling f on a batch of one with the
+``Routes.per_example_forward_mode`` says so (TensorFlow, JAX), f runs in inference (nothing
+of it reads the batch) and every batch size is known at trace time, forward mode instead maps over the examples, calling f on a batch of one with the
 tangent e_i of that one example: the tangent then does not depend on the example, and the
 vectorization leaves every product of it with what does not either (the first layer's JVP) to
 run once instead of B times, as ``jax.vmap(jax.jacfwd(f))`` does.
@@ -151,11 +151,9 @@ def jacobian_fwd(fn: Callable[[Any], Any], x: Any, *, batched: bool, chunk_size:
                  x_paths: list[str], what: str = "jacobian", inference: bool = False) -> Any:
     """Forward mode: the JVP along every one-hot tangent of each input leaf, vectorized; with
     ``batched`` and ``inference`` (f's examples are apart: it may run on one at a time) one
-    example at a time where the backend's routes say so (see the module notes)."""
+    example at a time where the backend's routes say so and every batch size is known at trace
+    time (see the module notes)."""
     B = _backend()
-    if batched and inference and backend.native().ROUTES.per_example_forward_mode:
-        return _jacobian_fwd_per_example(fn, x, chunk_size=chunk_size, x_paths=x_paths,
-                                         what=what)
     f = pure(fn)
     xs = flatten(x)
     y, _ = B.eval_shape(f, x)  # the outputs' structure, shapes and dtypes
@@ -167,6 +165,10 @@ def jacobian_fwd(fn: Callable[[Any], Any], x: Any, *, batched: bool, chunk_size:
     batch = B.batch_size(xs[0]) if batched else None
     if batched:  # at run time below, on the columns: `ys` are abstract
         _check_output_batch(ys, y_paths, batch, what, run_time=False)
+    if (batched and inference and backend.native().ROUTES.per_example_forward_mode
+            and isinstance(batch, int) and all(t.shape[0] is not None for t in ys)):
+        # Every batch size is known now (checked above): nothing is left to run-time checks.
+        return _jacobian_fwd_per_example(f, x, y, in_shapes, out_shapes, batch, chunk_size)
     blocks = [[B.zeros(block_shape(batch, o, s), t.dtype, xs[0]) for s in in_shapes]
               for o, t in zip(out_shapes, ys, strict=True)]
     kept = False
@@ -193,23 +195,15 @@ def jacobian_fwd(fn: Callable[[Any], Any], x: Any, *, batched: bool, chunk_size:
     return pack_blocks(y, x, blocks)
 
 
-def _jacobian_fwd_per_example(fn: Callable[[Any], Any], x: Any, *, chunk_size: int | None,
-                              x_paths: list[str], what: str) -> Any:
-    """Batched forward mode mapped over the examples: for example b, the JVPs of f on the batch
-    of one ``x[b:b+1]`` along every one-hot tangent of one example, vectorized over the
-    tangents and then over the examples. J_kl[b] = d f(x[b:b+1])_k / d x_l[b:b+1], one example's
-    block, since f treats examples apart."""
+def _jacobian_fwd_per_example(f: Callable[[Any], Any], x: Any, y: Any, in_shapes: list,
+                              out_shapes: list, batch: int, chunk_size: int | None) -> Any:
+    """Batched forward mode mapped over the examples: for example b, the JVPs of the pure f on
+    the batch of one ``x[b:b+1]`` along every one-hot tangent of one example, vectorized over
+    the tangents and then over the examples. J_kl[b] = d f(x[b:b+1])_k / d x_l[b:b+1], one
+    example's block, since f treats examples apart. ``y`` is f's abstract output on the batch,
+    whose batch sizes are all ``batch`` (checked by the caller)."""
     B = _backend()
-    f = pure(fn)
-    xs = flatten(x)
-    y, _ = B.eval_shape(f, x)
-    ys = flatten(y)
-    y_paths = leaf_paths(y, "output")
-    check_float_outputs(ys, y_paths, what)
-    in_shapes = _shapes(xs, x_paths, True, what)
-    out_shapes = _shapes(ys, y_paths, True, what)
-    batch = B.batch_size(xs[0])
-    _check_output_batch(ys, y_paths, batch, what, run_time=False)
+    xs, ys = flatten(x), flatten(y)
 
     def example(b):
         one = [B.one_example(leaf, b) for leaf in xs]  # (1, *ex) each
