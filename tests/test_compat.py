@@ -363,3 +363,16 @@ def test_onednn_enabled_is_tensorflows_answer_and_follows_its_switch():
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
                          timeout=120, check=True)
     assert out.stdout.strip().splitlines()[-1] == "False"
+
+
+def test_is_keras_variable_knows_a_layers_variables():
+    """A layer's variables are Keras variables on every Keras pyproject allows (on Keras 3.5
+    they are not instances of the exported ``keras.Variable``, and ``jvp``/``vjp``/``hvp`` with
+    them as primals returned zeros there); tensors and arrays are not."""
+    from pergrad._compat import is_keras_variable
+
+    layer = keras.layers.Dense(2)
+    layer.build((None, 3))
+    assert is_keras_variable(layer.kernel) and is_keras_variable(keras.Variable(1.0))
+    assert not is_keras_variable(keras.ops.ones((2,))) and not is_keras_variable(np.ones(2))
+

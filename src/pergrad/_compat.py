@@ -132,6 +132,18 @@ def loss_tracker(model: Any) -> Any:
     return model._loss_tracker
 
 
+def is_keras_variable(x: Any) -> bool:
+    """Whether ``x`` is a Keras variable of any backend. Before Keras 3.6 or so, a layer's
+    variables are the backend's ``Variable`` class, of which ``keras.Variable`` (the exported
+    name) is a subclass, so ``isinstance(layer.kernel, keras.Variable)`` is False there (Keras
+    3.5); their common base, ``KerasVariable``, is private."""
+    if isinstance(x, keras.Variable):
+        return True
+    from keras.src.backend.common import variables  # KerasVariable, renamed Variable later
+
+    return isinstance(x, getattr(variables, "KerasVariable", None) or variables.Variable)
+
+
 def backing_tf_variable(variable: Any) -> tf.Variable | None:
     """The ``tf.Variable`` a Keras 3 variable wraps (``Variable._value`` when ``value`` is a
     read), or ``None`` when it wraps none."""

@@ -12,10 +12,9 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-import keras
 import tensorflow as tf
 
-from pergrad._compat import backing_tf_variable
+from pergrad._compat import backing_tf_variable, is_keras_variable
 from pergrad.backend.tensorflow.jacobian_compile import Traced
 from pergrad.jacobian._cache import compiled_for
 from pergrad.jacobian._call import make_caller, primal_args
@@ -26,7 +25,7 @@ def _as_tf_variable(leaf: Any) -> tf.Variable | None:
     """The tf.Variable behind a leaf (Keras 3 variables wrap one), or None for data."""
     if isinstance(leaf, tf.Variable):
         return leaf
-    if isinstance(leaf, keras.Variable):
+    if is_keras_variable(leaf):  # a layer's variable is no keras.Variable on Keras 3.5
         return backing_tf_variable(leaf)
     return None
 
