@@ -11,6 +11,7 @@ import numpy as np
 from keras import ops
 
 from pergrad import backend
+from pergrad._compat import is_keras_variable
 from pergrad.backend.ops import maximum, minimum
 from pergrad.engine.arguments import positive_integer, positive_real
 from pergrad.engine.checks import (
@@ -32,7 +33,7 @@ from pergrad.rules.query import NORMS_THEN_SUMS
 def _to_tensors(structure):
     """Arrays to tensors as Keras's data adapters do: floating arrays become ``floatx``."""
     def convert(leaf):
-        if leaf is None or ops.is_tensor(leaf) or isinstance(leaf, keras.Variable):
+        if leaf is None or ops.is_tensor(leaf) or is_keras_variable(leaf):
             return leaf
         array = np.asarray(leaf)
         if np.issubdtype(array.dtype, np.floating):

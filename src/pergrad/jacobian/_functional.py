@@ -31,6 +31,7 @@ from typing import Any
 import keras
 
 from pergrad import backend
+from pergrad._compat import is_keras_variable
 from pergrad.jacobian._cache import compiled_for
 from pergrad.jacobian._call import make_caller, primal_args
 from pergrad.jacobian._structure import leaf_paths, single_output, to_tensor
@@ -50,7 +51,7 @@ pack_as = keras.tree.pack_sequence_as
 
 def convert_leaf(x: Any) -> Any:
     """``x`` as a tensor of the backend; a Keras variable passes unchanged."""
-    return x if isinstance(x, keras.Variable) else keras.ops.convert_to_tensor(x)
+    return x if is_keras_variable(x) else keras.ops.convert_to_tensor(x)
 
 
 def user_function(f: Callable[..., Any]) -> Callable[..., Any]:
@@ -290,7 +291,7 @@ def convert_argument(arg: Any, pos: int, what: str) -> Any:
     paths = leaf_paths(arg, f"args[{pos}]")
     converted = [to_tensor(leaf, p, what) for leaf, p in zip(flatten(arg), paths, strict=True)]
     for leaf, p in zip(converted, paths, strict=True):
-        if isinstance(leaf, keras.Variable):
+        if is_keras_variable(leaf):
             raise TypeError(
                 f"{what}: {p} is a Keras variable; this transform differentiates with respect "
                 "to array arguments. Pass keras.ops.convert_to_tensor(v) and use it inside f, "
@@ -338,7 +339,7 @@ class _Primals:
         leaves = flatten(args)
         self.paths = leaf_paths(args, "primals")
         converted = [to_tensor(leaf, p, what) for leaf, p in zip(leaves, self.paths, strict=True)]
-        slots = [v if isinstance(v, keras.Variable) else None for v in converted]
+        slots = [v if is_keras_variable(v) else None for v in converted]
         detach = _backend().detach
         self.arrays = [detach(v.value) if s is not None else v
                        for v, s in zip(converted, slots, strict=True)]

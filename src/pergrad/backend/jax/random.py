@@ -7,11 +7,11 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-import keras
 import numpy as np
 from jax.scipy.special import ndtri
 from keras import ops
 
+from pergrad._compat import is_keras_variable
 from pergrad.backend.keys import INVERSE_CDF_BITS, check_key, initial_state
 
 
@@ -48,7 +48,7 @@ def take_key(state: Any) -> Any:
 def next_key(state: Any, step: Any) -> Any:
     """The key is a value and the increment a new value the train step writes back."""
     check_noise_keys()
-    key = ops.convert_to_tensor(state.value if isinstance(state, keras.Variable) else state)
+    key = ops.convert_to_tensor(state.value if is_keras_variable(state) else state)
     state.assign(key + ops.stack([ops.zeros_like(step), step]))
     return key
 

@@ -11,6 +11,7 @@ import numpy as np
 import torch
 from keras import ops
 
+from pergrad._compat import is_keras_variable
 from pergrad.backend.host_random import host_generator, host_normal
 from pergrad.backend.keys import check_key, initial_state
 
@@ -36,7 +37,7 @@ def take_key(state: Any) -> Any:
 
 def next_key(state: Any, step: Any) -> Any:
     """A host copy first: a PyTorch variable is assigned in place, under any view of it."""
-    key = np.array(ops.convert_to_numpy(state.value if isinstance(state, keras.Variable) else state),
+    key = np.array(ops.convert_to_numpy(state.value if is_keras_variable(state) else state),
                    np.int64)
     state.assign(key + np.array([0, int(ops.convert_to_numpy(step))], np.int64))
     return ops.convert_to_tensor(key)
