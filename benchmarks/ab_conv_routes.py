@@ -5,7 +5,7 @@ For each layer geometry, three compiled functions of the same input ``x``, outpu
 ``d`` and coefficients ``c`` are timed alternately:
 
 * ``rule``: the convolution rule's kernel form as ``clipped_sum`` uses it, its norms with the
-  per-example matrices built (``squared_norms(NORMS_THEN_ROWS)``) and its weighted sum;
+  per-example matrices built (``routed(NORMS_THEN_ROWS).squared_norms()``) and its weighted sum;
 * ``grouped``: the same from one grouped filter gradient with the batch as groups
   (``pergrad.rules.conv._grouped_products``), forced on;
 * ``batch filter gradient``: the backend's filter gradient of the whole batch, for scale.
@@ -103,7 +103,8 @@ def _depthwise_calls(name: str) -> dict:
     @tf.function
     def rule(x, d, c):
         form = depthwise._depthwise_form(layer, kernel_variable, x, d)
-        return form.squared_norms(NORMS_THEN_ROWS), form.weighted_sum(c)
+        form = form.routed(NORMS_THEN_ROWS)
+        return form.squared_norms(), form.weighted_sum(c)
 
     def from_products(route):
         @tf.function
@@ -169,7 +170,8 @@ def _torch_calls(name: str, route_off: bool) -> dict:
     def rule():
         with _grouped_refused(route_off):
             form = conv._kernel_form(layer, x, d)
-            return form.squared_norms(NORMS_THEN_ROWS), form.weighted_sum(c)
+            form = form.routed(NORMS_THEN_ROWS)
+        return form.squared_norms(), form.weighted_sum(c)
 
     @torch.no_grad()
     def grouped():
@@ -201,7 +203,8 @@ def _calls(name: str, route_off: bool) -> dict:
     def rule(x, d, c):
         with _grouped_refused(route_off):
             form = conv._kernel_form(layer, x, d)
-            return form.squared_norms(NORMS_THEN_ROWS), form.weighted_sum(c)
+            form = form.routed(NORMS_THEN_ROWS)
+        return form.squared_norms(), form.weighted_sum(c)
 
     @tf.function
     def grouped(x, d, c):

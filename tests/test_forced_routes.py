@@ -144,3 +144,86 @@ def test_every_ab_switch_is_a_forced_route():
         assert inside == dataclasses.replace(before, **changes), name
         assert backend.native().ROUTES is before, name
     assert set(SWITCHED_OFF) <= fields
+
+
+def _route(query, **facts):
+    from pergrad.rules.cost import factored_route
+
+    sizes = {"positions": 12, "inputs": 16, "outputs": 8, "matrix_elements": 6 * 16 * 8,
+             "native_products": False, "rule_ghost": False, "ghost_before_sums": False,
+             "native_sums": False}
+    sizes.update(facts)
+    return factored_route(query=query, **sizes)
+
+
+def test_factored_route_cost_model():
+    """The routes a factored weight takes are a function of its sizes, kernels and the declared
+    query only: the rule's ghost norms where nothing follows (or only sums, where the rule says
+    its sum follows them cheaply), sums read from the matrices only after norms that build
+    them, one position by outer products, and ``forced`` overriding the norms' choice."""
+    from pergrad.rules.query import NORMS_ALONE, NORMS_THEN_ROWS, NORMS_THEN_SUMS
+
+    dense = _route(NORMS_THEN_SUMS)  # T=12, I=16, O=8: the GEMM wins by the cost model
+    assert (dense.norms, dense.dots, dense.sums, dense.gradients) == (
+        "matrices", "matrices", "matrices", "variable_order")
+    assert _route(NORMS_ALONE).sums == "inputs"  # no norms declared before the sums
+    assert _route(NORMS_THEN_ROWS).gradients == "blocks"
+    assert _route(NORMS_THEN_SUMS, matrix_elements=2**25 + 1).sums == "inputs"  # too large
+    assert _route(NORMS_THEN_SUMS, matrix_elements=None, native_sums=True).sums == "native"
+    assert _route(NORMS_THEN_SUMS, positions=2, inputs=512, outputs=512).norms == "gram"
+    wide = _route(NORMS_THEN_SUMS, positions=4, inputs=4096, outputs=4096)
+    assert (wide.norms, wide.dots, wide.sums) == ("gram", "inputs", "inputs")
+    one = _route(NORMS_THEN_ROWS, positions=1)
+    assert (one.norms, one.dots, one.sums) == ("outer", "inputs", "inputs")
+    conv = {"native_products": True, "rule_ghost": True, "native_sums": True}
+    assert _route(NORMS_ALONE, **conv).norms == "rule_ghost"
+    assert _route(NORMS_THEN_SUMS, **conv).norms == "matrices"
+    assert _route(NORMS_THEN_SUMS, ghost_before_sums=True, **conv).sums == "native"
+    assert _route(NORMS_THEN_SUMS, ghost_before_sums=True, **conv).norms == "rule_ghost"
+    assert _route(NORMS_THEN_ROWS, ghost_before_sums=True, **conv).norms == "matrices"
+    assert _route(NORMS_ALONE, forced="matrices", **conv).norms == "matrices"
+    assert _route(NORMS_THEN_ROWS, forced="ghost", **conv).norms == "rule_ghost"
+    assert _route(NORMS_THEN_ROWS, forced="ghost").norms == "gram"
+    assert _route(NORMS_THEN_ROWS, forced="matrices", positions=4, inputs=4096,
+                  outputs=4096).norms == "matrices"
+    with pytest.raises(ValueError, match="factored_norms"):
+        _route(NORMS_ALONE, forced="fastest")
+
+
+@pytest.mark.parametrize("choice", ["ghost", "matrices"])
+def test_forced_factored_norms_give_the_oracles_numbers(float64, rng, choice):
+    """``routes.forced(factored_norms=...)`` takes the named norms route on every factored
+    weight (checked on the routed forms), and every quantity after it, the Gram matrix and dot
+    products included, still gives the float64 loop oracle's numbers."""
+    from pergrad.rules.forms import Factored
+    from pergrad.rules.query import NORMS_THEN_ROWS
+
+    model = _text_model()
+    x = rng.integers(0, 20, size=(6, 12)).astype("int32")
+    y = rng.integers(0, 3, size=(6,))
+    loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+    expected, _ = loop_gradients(model, keras_loss(loss), x, y)
+    flat = np.concatenate([e.reshape(len(x), -1) for e in expected], axis=1)
+    norms = np.linalg.norm(flat, axis=1)
+    clip = float(np.median(norms))
+    vectors = [rng.normal(size=v.shape) for v in model.trainable_variables]
+    with routes.forced(factored_norms=choice):
+        pex = pergrad.PerExample(model, loss)
+        result = pex.compute(x, y).routed(NORMS_THEN_ROWS)
+        taken = {f.route.norms for f in result.forms
+                 if isinstance(f, Factored) and f.route.norms != "outer"}
+        grads, computed_norms, summed = _run_every_query(model, loss, x, y, clip)
+        gram = result.gram()
+        dots = result.dot([keras.ops.convert_to_tensor(v) for v in vectors])
+    # The Dense kernel over 12 positions takes the Gram form only when forced; the Conv1D its
+    # shifted ghost norms.
+    assert taken == ({"gram", "rule_ghost"} if choice == "ghost" else {"matrices"})
+    for g, e, v in zip(grads, expected, model.trainable_variables, strict=True):
+        assert_close(g, e, atol=1e-6 * np.max(np.abs(e)), what=f"gradients {v.path}")
+    assert_close(computed_norms, norms, what="norms")
+    for s, e, v in zip(summed, expected, model.trainable_variables, strict=True):
+        want = np.tensordot(np.minimum(1.0, clip / norms), e, axes=1)
+        assert_close(s, want, atol=1e-6 * np.max(np.abs(want)), what=f"clipped sum {v.path}")
+    assert_close(gram, flat @ flat.T, what="gram")
+    want = flat @ np.concatenate([v.ravel() for v in vectors])
+    assert_close(dots, want, what="dots")

@@ -150,7 +150,9 @@ def test_shifted_ghost_norms_match_loop_oracle(name, float64, monkeypatch):
     index = [v.path for v in model.trainable_variables].index(layer.kernel.path)
     kernel_norms = np.sum(expected[index].reshape(B, -1) ** 2, axis=1)
     assert_close(form.squared_norms(), kernel_norms, what="ghost squared norms")
-    assert_close(form.squared_norms(NORMS_THEN_ROWS), kernel_norms, what="products' norms")
+    assert form.route_for(NORMS_THEN_ROWS).norms == "matrices"
+    assert_close(form.routed(NORMS_THEN_ROWS).squared_norms(), kernel_norms,
+                 what="products' norms")
 
     rng = np.random.default_rng(11)
     c = rng.normal(size=B)
@@ -190,8 +192,7 @@ def test_filter_gradient_sums_after_shifted_ghost_norms(name, float64, monkeypat
     form = _kernel_form(model, layer, x, y)
     on_jax = keras.backend.backend() == "jax"
     assert form.ghost_before_sums == on_jax
-    form.squared_norms(NORMS_THEN_SUMS)
-    assert form._ghost_taken == on_jax
+    assert form.routed(NORMS_THEN_SUMS).route.norms == ("rule_ghost" if on_jax else "matrices")
     assert_rule_matches_oracle(model, layer, rule, x, y)
 
     expected, _ = loop_gradients(model, keras_loss(zoo.SCCE), x, y)
@@ -216,11 +217,16 @@ def test_filter_gradient_sums_after_shifted_ghost_norms(name, float64, monkeypat
         assert_close(s, e.sum(0), what="sum without norms")
 
     # The linear aggregators' local step asks for norms before sums only, as clipped_sum does.
+    from pergrad.engine.result import PerExampleResult
+
     agg = pergrad.aggregate.clip_mean(clip)
     result = pex.compute(keras.ops.convert_to_tensor(x), keras.ops.convert_to_tensor(y))
+    queries = []
+    routed = PerExampleResult.routed
+    monkeypatch.setattr(PerExampleResult, "routed",
+                        lambda self, query: queries.append(query) or routed(self, query))
     mean = agg.finalize(agg.local(result, pergrad.aggregate.Batch.of(result)), None)
-    index = [v.path for v in model.trainable_variables].index(layer.kernel.path)
-    assert result.forms[index]._ghost_taken == on_jax
+    assert queries[0] == NORMS_THEN_SUMS
     for m, e in zip(mean, expected, strict=True):
         assert_close(m, np.tensordot(np.minimum(1.0, clip / clean), e, axes=1) / B,
                      what="clip_mean")
@@ -532,8 +538,8 @@ def test_patches_are_built_only_where_a_route_reads_them(name, float64, monkeypa
     if not torch:
         return
     built.clear()
-    form = _kernel_form(model, layer, x, y)
-    form.squared_norms(NORMS_THEN_ROWS)
+    form = _kernel_form(model, layer, x, y).routed(NORMS_THEN_ROWS)
+    form.squared_norms()
     form.weighted_sum(np.ones(B) / B)
     form.materialize()
     form.gram()
@@ -541,7 +547,8 @@ def test_patches_are_built_only_where_a_route_reads_them(name, float64, monkeypa
     narrow = zoo.conv2d()  # 3 input channels, 3x3 kernel: 27 wide, the patch route
     form = _kernel_form(narrow.model, narrow.model.layers[1], narrow.x, narrow.y)
     assert form.per_example is None and not built
-    form.squared_norms(NORMS_THEN_ROWS)
+    form = form.routed(NORMS_THEN_ROWS)
+    form.squared_norms()
     form.weighted_sum(np.ones(len(narrow.x)) / len(narrow.x))
     form.materialize()
     assert built == [1]

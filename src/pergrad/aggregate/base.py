@@ -167,7 +167,8 @@ def linear_local(coefficients: Callable[[list, Batch], Any], needs_norms: bool):
     def local(result, batch: Batch) -> Partial:
         rows = ops.cast(result.batch_size, result.norm_dtype)
         if needs_norms:
-            squared = result.squared_norms(NORMS_THEN_SUMS)
+            result = result.routed(NORMS_THEN_SUMS)
+            squared = result.squared_norms()
             return _linear_with_norms(result, batch, squared, rows)
         ones = ops.ones([result.batch_size], result.norm_dtype)
         sums = result.weighted_sum(coefficients(None, batch) * ones)
@@ -177,8 +178,8 @@ def linear_local(coefficients: Callable[[list, Batch], Any], needs_norms: bool):
             return [ops.copy(s) for s in sums], ops.zeros([], rows.dtype)
 
         def slow():  # rebuilt: only this branch, taken on a non-finite sum, needs norms
-            inner = result.rebuilt()
-            squared = inner.squared_norms(NORMS_THEN_SUMS)
+            inner = result.rebuilt().routed(NORMS_THEN_SUMS)
+            squared = inner.squared_norms()
             partial = _linear_with_norms(inner, batch, squared, rows)
             return list(partial.values), partial.dropped
 
@@ -207,7 +208,8 @@ def gathering_local(result, batch: Batch, with_examples: bool = False) -> Partia
     rows = ops.cast(result.batch_size, result.norm_dtype)
     if _static_value(result.batch_size) == 0:
         require_rows(rows, "gathering (median, trimmed_mean, custom)")
-    squared = result.squared_norms(NORMS_THEN_ROWS)
+    result = result.routed(NORMS_THEN_ROWS)
+    squared = result.squared_norms()
     keep = finite_examples(result, squared, batch)
     dropped = ops.sum(1.0 - ops.cast(keep, rows.dtype))
     include = ops.logical_and(keep, batch.nonzero_weight)

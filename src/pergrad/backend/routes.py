@@ -103,6 +103,10 @@ class Routes:
             not once per example (the benchmark CNN: 3x faster on JAX, 1.5x-1.7x on
             TensorFlow; PyTorch's vmap gained nothing). Taken only where every batch size is
             known at trace time.
+        factored_norms: how a factored weight's norms are chosen
+            (:func:`pergrad.rules.cost.factored_route`): ``"cost"`` by the cost model (every
+            backend), or forced for an A/B run: ``"ghost"`` (the rule's own ghost norms where it
+            has them, else the Gram form) or ``"matrices"`` (the per-example matrices).
     """
 
     eager: bool
@@ -127,6 +131,7 @@ class Routes:
     nested_xla_outer_products: bool = False
     native_segment_sums: bool = True
     per_example_forward_mode: bool = False
+    factored_norms: str = "cost"
 
 
 #: TensorFlow: native kernels for padding, patches, filter gradients (folded, grouped,

@@ -339,7 +339,8 @@ def finite_clipped_sum(result: PerExampleResult, l2_norm_clip) -> tuple[list, An
     exactly as :func:`pergrad.aggregate.base.linear_local` does. The norms are returned as
     computed, non-finite ones included.
     """
-    norms = result.norms(NORMS_THEN_SUMS)
+    result = result.routed(NORMS_THEN_SUMS)
+    norms = result.norms()
     keep = ops.logical_and(ops.isfinite(norms), ops.isfinite(result.losses))
     factors = ops.where(keep, clip_factors(norms, l2_norm_clip), ops.zeros_like(norms))
     return result.kept_weighted_sum(factors, keep), norms

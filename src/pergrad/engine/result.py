@@ -13,10 +13,10 @@ from pergrad.rules.forms import (
     Scaled,
     dots_many,
     rebuilt,
-    squared_norms_of,
+    routed,
     weighted_sums,
 )
-from pergrad.rules.query import NORMS_ALONE, Query
+from pergrad.rules.query import Query
 
 
 @dataclass
@@ -25,7 +25,9 @@ class PerExampleResult:
 
     Every method is traceable (use it inside your own ``tf.function`` or ``jax.jit``) and touches only what it
     needs: ``squared_norms``, ``dots`` and ``weighted_sum`` never build ``(B, *var.shape)`` tensors
-    for variables whose rule has a cheaper form.
+    for variables whose rule has a cheaper form. Where several quantities of one result are
+    needed, declare them first (:meth:`routed`) so that each form takes the routes that serve
+    them all (norms that build what the sums then read).
 
     Attributes:
         variables: the model's trainable variables, in ``model.trainable_variables`` order.
@@ -55,27 +57,33 @@ class PerExampleResult:
             for v, f in zip(self.variables, self.forms, strict=True)
         ]
 
-    def squared_norms(self, query: Query = NORMS_ALONE) -> list:
-        """Per variable, ``||g_i[var]||^2`` of shape ``(B,)``.
+    def routed(self, query: Query) -> PerExampleResult:
+        """The same result, each form taking the routes the cost model chooses for what
+        ``query`` declares will be asked of it (:class:`pergrad.rules.query.Query`: norms
+        alone, norms then weighted sums, or those and reads of each example's gradient).
 
-        ``query`` declares what of this result follows the norms
-        (:class:`pergrad.rules.query.Query`: nothing, weighted sums, or sums and reads of
-        each example's gradient). A form with a cheaper route for norms alone (a
-        convolution's shifted ghost norms, :class:`pergrad.rules.forms.Factored`) builds the
-        per-example matrices that the sums read instead when anything follows, unless only
-        sums follow and the form's own sum is cheap enough to follow its ghost norms
-        (``Factored.ghost_before_sums``)."""
+        A form with a cheaper route for norms alone (a convolution's shifted ghost norms,
+        :class:`pergrad.rules.forms.Factored`) builds the per-example matrices instead when
+        sums or rows follow, and the sums then read them, unless only sums follow and the
+        form's own sum is cheap enough to follow its ghost norms. Without it each quantity
+        takes its route as if asked alone. The routed result shares what the forms built::
+
+            routed = result.routed(NORMS_THEN_SUMS)
+            norms = routed.norms()
+            clipped = routed.weighted_sum(ops.minimum(1.0, clip / norms))
+        """
+        forms = [None if f is None else routed(f, query) for f in self.forms]
+        return PerExampleResult(self.variables, forms, self.losses, self.predictions)
+
+    def squared_norms(self) -> list:
+        """Per variable, ``||g_i[var]||^2`` of shape ``(B,)``."""
         dtype = self.norm_dtype
-        return [
-            ops.zeros([self.batch_size], dtype) if f is None
-            else ops.cast(squared_norms_of(f, query), dtype)
-            for f in self.forms
-        ]
+        return [ops.zeros([self.batch_size], dtype) if f is None
+                else ops.cast(f.squared_norms(), dtype) for f in self.forms]
 
-    def norms(self, query: Query = NORMS_ALONE) -> Any:
-        """``||g_i||``: the L2 norm of each example's whole gradient, ``(B,)`` (``query``:
-        see :meth:`squared_norms`)."""
-        return ops.sqrt(add_n(self.squared_norms(query)))
+    def norms(self) -> Any:
+        """``||g_i||``: the L2 norm of each example's whole gradient, ``(B,)``."""
+        return ops.sqrt(add_n(self.squared_norms()))
 
     def dots(self, vectors: list) -> list:
         """Per variable, ``<g_i[var], v[var]>`` of shape ``(B,)``."""

@@ -18,6 +18,7 @@ from pergrad.backend import ENGINE_SUPPORTED, require_supported
 from pergrad.backend.ops import maximum
 from pergrad.engine import PerExampleResult
 from pergrad.keras.example_tables import ExampleTables, HostTables
+from pergrad.rules.query import NORMS_THEN_ROWS
 from pergrad.stats import (
     BATCH_STATISTICS,
     CONSENSUS_STATISTICS,
@@ -222,7 +223,9 @@ class GradientMonitor(keras.callbacks.Callback):
         branch_value = _BranchValue(alongside)
 
         def monitored():  # rebuilt: skipped steps must not compute what only this reads
-            rebuilt = result.rebuilt()
+            # Routed for the statistics (norms, sums, dot products): the alongside's sums then
+            # read the per-example matrices their norms built.
+            rebuilt = result.rebuilt().routed(NORMS_THEN_ROWS)
             stats, active, values = step_statistics(rebuilt, sample_weight)
             shared = branch_value.flat(rebuilt)  # after the norms: reads their matrices
             values = tf.cast(values, tf.float64)

@@ -24,8 +24,10 @@ layers; the numbers are in docs/benchmarks.md, "Route measurements".
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 from pergrad.backend import routes
+from pergrad.rules.query import Query
 
 GEMM_ADVANTAGE = 2.0
 
@@ -237,7 +239,94 @@ def prefers_ghost(positions: int | None, inputs: int, outputs: int, batch: int |
     return GEMM_ADVANTAGE * ghost < materialized_cost(positions, inputs, outputs, batch, pairs)
 
 
-__all__ = ["CHUNK_BYTES", "GEMM_ADVANTAGE", "ROWS_PAIRWISE_MAX_POSITIONS",
+
+@dataclass(frozen=True)
+class FactoredRoute:
+    """The routes one factored weight ``g_i = sum_t A_i[t]^T D_i[t]`` takes for each quantity
+    (:class:`pergrad.rules.forms.Factored`), chosen once per declared query by
+    :func:`factored_route`; the form computes whatever it is asked by these routes and no
+    other, whatever ran before.
+
+    Attributes:
+        norms: ``"outer"`` (one position: ``||a||^2 ||d||^2``), ``"gram"`` (the ghost route
+            ``sum_{t,s} (a_t . a_s)(d_t . d_s)``), ``"rule_ghost"`` (the rule's own cheaper
+            norms, a stride-1 convolution's shifted Gram) or ``"matrices"`` (``||M_i||^2`` of
+            the per-example matrices ``M_i = sum_t D_i[t]^T A_i[t]``).
+        dots: ``"matrices"`` (``<M_i, V>``) or ``"inputs"`` (``sum_t (a_t V) . d_t``).
+        sums: ``"matrices"`` (``sum_i c_i M_i``, read from the matrices the norms built),
+            ``"native"`` (the rule's native kernel, a convolution's filter gradient) or
+            ``"inputs"`` (``A^T (c D)``, one GEMM).
+        gradients: ``"blocks"`` (the matrices the norms built, transposed to the variable's
+            layout) or ``"variable_order"`` (``A^T D`` multiplied in the variable's order).
+    """
+
+    norms: str
+    dots: str
+    sums: str
+    gradients: str
+
+
+#: How a factored weight's norms may be forced for A/B runs
+#: (:attr:`pergrad.backend.routes.Routes.factored_norms`): by this cost model, or always by the
+#: ghost routes (the rule's own where it has one, else the Gram form where the form has no
+#: native per-example kernel), or always by the per-example matrices.
+FACTORED_NORMS_CHOICES = ("cost", "ghost", "matrices")
+
+
+def factored_route(*, positions: int | None, inputs: int | None, outputs: int | None,
+                   matrix_elements: int | None, native_products: bool, rule_ghost: bool,
+                   ghost_before_sums: bool, native_sums: bool, query: Query,
+                   products_in_variable_order: bool = True, forced: str = "cost"
+                   ) -> FactoredRoute:
+    """The cheapest routes for what ``query`` declares will be asked of one factored weight.
+
+    ``positions`` (``T``), ``inputs`` (``I``) and ``outputs`` (``O``) are static sizes or
+    ``None``; ``matrix_elements`` the per-example matrices' size over the batch (``B G O I``,
+    ``None`` when not static); ``native_products``, ``rule_ghost`` and ``native_sums`` whether
+    the rule gave a native per-example kernel, its own ghost norms and a native weighted sum;
+    ``ghost_before_sums`` the rule's word that its ghost norms and native sum beat the matrices
+    when only sums follow. ``forced`` (:data:`FACTORED_NORMS_CHOICES`) overrides the norms'
+    choice.
+
+    * norms: one position (and no native products) ``"outer"``; the rule's ghost norms when
+      nothing follows, or only sums and ``ghost_before_sums`` (sums or rows that follow read
+      the matrices instead); the matrices with native products, else the cheaper of the Gram
+      form and the matrices by :func:`prefers_ghost`.
+    * dots: the matrices where they would serve the norms (shared with them), else the inputs.
+    * sums: read from the matrices when the query declares sums after norms that build them and
+      :func:`sums_from_matrices` allows keeping them, else the native sum, else the inputs.
+    * gradients: transposed from the matrices when the norms build them and rows follow (or
+      the rule gives native products, or ``products_in_variable_order`` is off), else ``A^T D``.
+    """
+    if forced not in FACTORED_NORMS_CHOICES:
+        raise ValueError(f"factored_norms must be one of {FACTORED_NORMS_CHOICES}, got "
+                         f"{forced!r}.")
+    one_position = positions == 1 and not native_products
+    if forced == "matrices":
+        materializing = True
+    elif forced == "ghost":
+        materializing = native_products
+    else:
+        materializing = native_products or not prefers_ghost(positions, inputs, outputs)
+    if one_position:
+        norms = "outer"
+    elif rule_ghost and forced != "matrices" and (
+            forced == "ghost" or query.alone or not query.rows and ghost_before_sums):
+        norms = "rule_ghost"
+    else:
+        norms = "matrices" if materializing else "gram"
+    dots = "matrices" if positions != 1 and materializing else "inputs"
+    if (query.sums and norms == "matrices" and matrix_elements is not None
+            and sums_from_matrices(matrix_elements)):
+        sums = "matrices"
+    else:
+        sums = "native" if native_sums else "inputs"
+    built = norms == "matrices" and query.rows
+    gradients = ("blocks" if native_products or built or not products_in_variable_order
+                 else "variable_order")
+    return FactoredRoute(norms, dots, sums, gradients)
+
+__all__ = ["CHUNK_BYTES", "FACTORED_NORMS_CHOICES", "FactoredRoute", "factored_route", "GEMM_ADVANTAGE", "ROWS_PAIRWISE_MAX_POSITIONS",
            "ROWS_PAIRWISE_MAX_POSITIONS_TENSORFLOW", "SHIFTED_MIN_CHANNELS",
            "SUM_FROM_MATRICES_MAX_ELEMENTS", "examples_per_chunk", "folded_products_win",
            "ghost_cost", "materialized_cost", "prefers_ghost", "rows_pairwise_wins",

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Protocol, runtime_checkable
 
 from keras import ops
@@ -48,7 +48,7 @@ from pergrad.backend.ops import (
     zero_rows,
 )
 from pergrad.rules import cost
-from pergrad.rules.cost import prefers_ghost, sums_from_matrices
+from pergrad.rules.cost import FactoredRoute, factored_route, prefers_ghost
 from pergrad.rules.query import NORMS_ALONE, Query
 
 Tensor = Any
@@ -66,6 +66,35 @@ class Deferred:
     build: Callable[[], Tensor]
     shape: tuple
     dtype: Any
+
+
+class Built:
+    """What a :class:`Factored` form built, shared with its routed copies: ``a`` from a
+    :class:`Deferred` source, and the per-example matrices' blocks with the trace they were
+    built in (:func:`pergrad.backend.ops.trace_token`). On TensorFlow that is the graph: a
+    tensor made inside a ``tf.cond`` branch is not usable outside it, one of an enclosing graph
+    is (captured). Under ``jax.jit`` (no token) nothing is kept: XLA merges the repeated
+    products. It is a cache only: the routes never read it."""
+
+    def __init__(self) -> None:
+        self.a: Tensor | None = None
+        self._blocks: tuple | None = None
+
+    def blocks_for(self, token: Any) -> list | None:
+        """The blocks built in ``token``'s trace or one enclosing it, else ``None``."""
+        if token is None or self._blocks is None:
+            return None
+        built_in, blocks = self._blocks
+        graph = token
+        while graph is not None:
+            if graph is built_in:
+                return blocks
+            graph = getattr(graph, "outer_graph", None)
+        return None
+
+    def remember_blocks(self, token: Any, blocks: list) -> None:
+        if token is not None:
+            self._blocks = (token, blocks)
 
 
 @dataclass
@@ -86,18 +115,22 @@ class Factored:
     ``materialize`` writes the concatenation); norms, dots and Gram matrices then always take
     the materialized route. ``ghost_norms``, when given beside ``per_example``, computes the
     per-example squared norms alone by a ghost route the rule knows to be cheaper (a stride-1
-    convolution's shifted Gram of its input): ``squared_norms()`` takes it, and dots and
-    weighted sums after it read ``a`` and ``d`` (or ``summed``) rather than build the
-    matrices; norms that sums or rows follow (a :class:`pergrad.rules.query.Query`) build the
-    per-example matrices instead, which the sums then read, unless ``ghost_before_sums`` (the
-    rule's ``summed`` is cheap enough that the ghost norms and ``summed`` beat the matrices)
-    and only sums follow (:data:`pergrad.rules.query.NORMS_THEN_SUMS`). Without norms, dots and sums route as without ``ghost_norms``.
+    convolution's shifted Gram of its input); ``ghost_before_sums`` says that route and
+    ``summed`` beat the matrices when only sums follow the norms.
     ``remake``, when given, rebuilds the form from the layer's inputs with the rows of examples where ``keep`` is false zeroed
     (``remake(keep)``); :meth:`masked` then uses it, so a masked form computed inside a
     conditional reads only the layer's input and output gradient, not tensors (patches) that
     the plain routes never build. ``remake(None)`` must work too and give the unmasked form:
     :meth:`rebuilt` calls it inside conditional branches, which are traced (so called) at every
     compilation.
+
+    The form holds the math; which route computes each quantity is its ``route``
+    (:class:`pergrad.rules.cost.FactoredRoute`), chosen by the cost model
+    (:func:`pergrad.rules.cost.factored_route`) for what the caller declares it will ask
+    (:meth:`routed` with a :class:`pergrad.rules.query.Query`; without one, as for norms
+    alone), never by what ran before. What the form builds (``a`` from a :class:`Deferred`
+    source, the per-example matrices once per trace) is remembered and shared with its routed
+    copies, so norms and the sums that follow them read one set of matrices.
     """
 
     variable: object
@@ -110,16 +143,41 @@ class Factored:
     remake: Callable[[Tensor], Factored] | None = None
     ghost_norms: Callable[[], Tensor] | None = None
     ghost_before_sums: bool = False
-    _matrices: tuple | None = field(default=None, init=False, repr=False, compare=False)
-    _matrices_traced: bool = field(default=False, init=False, repr=False, compare=False)
-    _ghost_taken: bool = field(default=False, init=False, repr=False, compare=False)
+    route: FactoredRoute | None = field(default=None, repr=False, compare=False)
+    built: Built = field(default_factory=Built, repr=False, compare=False)
 
     @property
     def a(self) -> Tensor:
         """``A``, ``(B, T, G, I)``; a :class:`Deferred` source is built now, once."""
-        if isinstance(self.a_source, Deferred):
-            self.a_source = self.a_source.build()
-        return self.a_source
+        if not isinstance(self.a_source, Deferred):
+            return self.a_source
+        if self.built.a is None:
+            self.built.a = self.a_source.build()
+        return self.built.a
+
+    def routed(self, query: Query) -> Factored:
+        """This form taking the routes the cost model chooses for ``query`` (what the caller
+        will ask of it: :class:`pergrad.rules.query.Query`), sharing what it built."""
+        return replace(self, route=self.route_for(query), built=self.built)
+
+    def route_for(self, query: Query) -> FactoredRoute:
+        """:func:`pergrad.rules.cost.factored_route` for this form's sizes and kernels, within
+        the running backend's :class:`pergrad.backend.routes.Routes`."""
+        sizes = [static_or_none(n) for n in (self.a_shape[0], self.a_shape[2], self.a_shape[3],
+                                             self.d.shape[3])]
+        routes = native().ROUTES
+        return factored_route(
+            positions=static_or_none(self.a_shape[1]), inputs=sizes[2], outputs=sizes[3],
+            matrix_elements=None if None in sizes else math.prod(sizes),
+            native_products=self.per_example is not None,
+            rule_ghost=self.ghost_norms is not None, ghost_before_sums=self.ghost_before_sums,
+            native_sums=self.summed is not None, query=query,
+            products_in_variable_order=routes.products_in_variable_order,
+            forced=routes.factored_norms)
+
+    @property
+    def _route(self) -> FactoredRoute:
+        return self.route if self.route is not None else self.route_for(NORMS_ALONE)
 
     @property
     def a_shape(self) -> tuple:
@@ -169,8 +227,8 @@ class Factored:
         TensorFlow): norms, dots, sums and Gram matrices share them; only ``materialize``
         concatenates them and transposes to the variable's layout."""
         token = trace_token()
-        self._matrices_traced = True
-        if token is None or self._matrices is None or self._matrices[0] is not token:
+        blocks = self.built.blocks_for(token)
+        if blocks is None:
             d = self.d
             if self.per_example is not None:
                 m = self.per_example()
@@ -182,11 +240,8 @@ class Factored:
                 m = matmul_ta(ops.transpose(d, [0, 2, 1, 3]),
                               ops.transpose(self.a, [0, 2, 1, 3]))
             blocks = _as_blocks(m)
-            if token is None:
-                return blocks
-            # Remembered per graph: a tensor made inside a tf.cond branch is not usable outside.
-            self._matrices = (token, blocks)
-        return self._matrices[1]
+            self.built.remember_blocks(token, blocks)
+        return blocks
 
     def _per_example_matrices(self) -> Tensor:
         """``(B, G, O, I)``: the blocks of :meth:`_per_example_blocks` side by side."""
@@ -203,50 +258,17 @@ class Factored:
             start += width
         return parts
 
-    def _built_blocks(self) -> list | None:
-        """The per-example matrices' blocks when the norms of this trace built them (visible from the
-        graph being built now) and :func:`pergrad.rules.cost.sums_from_matrices` allows keeping
-        them for the sum, else ``None``. Under ``jax.jit`` they are rebuilt by the same ops and
-        XLA merges the two."""
-        if self.a_shape[1] == 1 and self.per_example is None or not self._materializing():
-            return None
-        sizes = [static_or_none(n) for n in (self.a_shape[0], self.a_shape[2], self.a_shape[3],
-                                             self.d.shape[3])]
-        if None in sizes or not sums_from_matrices(math.prod(sizes)):
-            return None
-        if not self._blocks_built_here():
-            return None
-        if trace_token() is None:  # JAX: XLA merges the repeated product with the norms' one
-            return self._per_example_blocks()
-        return self._matrices[1]
-
     def materialize(self) -> Tensor:
         if self.a_shape[1] == 1 and self.per_example is None:
             # One position: write the outer products once, straight into the (B, I, G, O)
             # layout (they are memory-bound: B I O floats for a Dense kernel).
             a = ops.transpose(self.a[:, 0], [0, 2, 1])  # (B, I, G); G is 1 for Dense
             m = outer_products(a, self.d[:, 0])
-        elif (self.per_example is None and native().ROUTES.products_in_variable_order
-              and not self._blocks_built_here()):
+        elif self._route.gradients == "variable_order":
             m = self._products_in_variable_order()
         else:
             m = ops.transpose(self._per_example_matrices(), [0, 3, 1, 2])  # (B, I, G, O)
         return self._to_variable_layout(m, batched=True)
-
-    def _blocks_built_here(self) -> bool:
-        """Whether this trace (this graph or one it is nested in, on TensorFlow; this process,
-        on PyTorch; this ``jit``, on JAX) has built :meth:`_per_example_blocks` already."""
-        token = trace_token()
-        if token is None:
-            return self._matrices_traced
-        if self._matrices is None:
-            return False
-        graph = token
-        while graph is not None:
-            if graph is self._matrices[0]:
-                return True
-            graph = getattr(graph, "outer_graph", None)
-        return False
 
     def _products_in_variable_order(self) -> Tensor:
         """``(B, I, G, O)``: ``sum_t a_t d_t^T`` per example and group, multiplied in that
@@ -258,35 +280,18 @@ class Factored:
         m = matmul_ta(ops.transpose(self.a, [0, 2, 1, 3]), ops.transpose(self.d, [0, 2, 1, 3]))
         return ops.transpose(m, [0, 2, 1, 3])  # (B, G, I, O) -> (B, I, G, O)
 
-    def _materializing(self) -> bool:
-        """Whether norms and dots go through the per-example matrices (``T I O`` per example)
-        rather than a ghost form: the rule's own ``ghost_norms``, else the Gram form
-        (``T^2 (I + O)``) when :func:`pergrad.rules.cost.prefers_ghost`."""
-        if self._ghost_taken:  # norms without the matrices: dots and sums read a and d
-            return False
-        if self.per_example is not None:
-            return True
-        t, i, o = (static_or_none(self.a_shape[1]), static_or_none(self.a_shape[3]),
-                   static_or_none(self.d.shape[3]))
-        return not prefers_ghost(t, i, o)
-
-    def squared_norms(self, query: Query = NORMS_ALONE) -> Tensor:
-        """``||g_i||^2``. Where sums or rows follow (``query``), the rule's ``ghost_norms``
-        (which would leave them to recompute) gives way to the per-example matrices they read,
-        unless only sums follow and the rule says ``ghost_before_sums``."""
-        if self.ghost_norms is not None:
-            if query.alone or not query.rows and self.ghost_before_sums:
-                self._ghost_taken = True
-                return self.ghost_norms()
-            return add_n([row_squared_norms(m) for m in self._per_example_blocks()])
-        t = static_or_none(self.a_shape[1])
-        if t == 1 and self.per_example is None:
+    def squared_norms(self) -> Tensor:
+        """``||g_i||^2`` by the route's ``norms``."""
+        route = self._route.norms
+        if route == "rule_ghost":
+            return self.ghost_norms()
+        if route == "outer":
             # ||a d^T||^2 = ||a||^2 ||d||^2 per group.
             return ops.sum(
                 ops.sum(ops.square(self.a), [1, 3]) * ops.sum(ops.square(self.d), [1, 3]),
                 axis=1,
             )
-        if not self._materializing():
+        if route == "gram":
             # ||sum_t a_t d_t^T||^2 = sum_{t,s} (a_t . a_s)(d_t . d_s)   (the Gram or "ghost" trick)
             gram_a = ops.einsum("btgi,bsgi->bgts", self.a, self.a)
             gram_d = ops.einsum("btgo,bsgo->bgts", self.d, self.d)
@@ -295,7 +300,7 @@ class Factored:
 
     def dots(self, vector: Tensor) -> Tensor:
         v = self._from_variable_layout(ops.cast(vector, self.a_dtype))
-        if self.a_shape[1] != 1 and self._materializing():
+        if self._route.dots == "matrices":
             # The per-example matrices are built for the norms anyway (and shared with them
             # inside one graph): <M_i, V> costs I O per example instead of T I O. One
             # matrix-vector product reads M once; M * V then a sum wrote and read an M-sized
@@ -309,8 +314,8 @@ class Factored:
         return ops.sum(av * self.d, axis=[1, 2, 3])
 
     def weighted_sum(self, coefficients: Tensor) -> Tensor:
-        blocks = self._built_blocks()
-        if blocks is not None:  # sum_i c_i M_i: B I O reads instead of B T I O multiply-adds
+        if self._route.sums == "matrices":  # sum_i c_i M_i: B I O reads, not B T I O multiply-adds
+            blocks = self._per_example_blocks()
             c = ops.cast(coefficients, dtype_of(blocks[0]))
             s = _side_by_side([ops.tensordot(c, m, axes=1) for m in blocks])  # (G, O, I)
             return self._to_variable_layout(ops.transpose(s, [2, 0, 1]), batched=False)
@@ -330,8 +335,8 @@ class Factored:
         ``C M`` with ``C`` the ``(K, B)`` coefficients where the per-example matrices are built
         (one read of them instead of ``K``), ``A^T [c^(1) D, ..., c^(K) D]`` (one GEMM) for one
         group without them."""
-        blocks = self._built_blocks()
-        if blocks is not None:
+        if self._route.sums == "matrices":
+            blocks = self._per_example_blocks()
             c = ops.stack([ops.cast(ck, dtype_of(blocks[0])) for ck in coefficients])  # (K, B)
             s = _side_by_side([ops.tensordot(c, m, axes=1) for m in blocks])  # (K, G, O, I)
             return [self._to_variable_layout(ops.transpose(s[k], [2, 0, 1]), batched=False)
@@ -354,7 +359,7 @@ class Factored:
             return [self.dots(vectors[0])]
         vs = [self._from_variable_layout(ops.cast(v, self.a_dtype)) for v in vectors]  # (I, G, O)
         batch = batch_size(self.d)
-        if self.a_shape[1] != 1 and self._materializing():
+        if self._route.dots == "matrices":
             blocks = self._per_example_blocks()  # (B, G, O, I_k) each
             parts = [self._split_inputs(ops.transpose(v, [1, 2, 0]), blocks) for v in vs]
             out = add_n([ops.matmul(ops.reshape(m, [batch, -1]),
@@ -432,12 +437,12 @@ class Factored:
                         summed, per_example, remake)
 
 
-def squared_norms_of(form, query: Query = NORMS_ALONE) -> Tensor:
-    """``form.squared_norms()``, telling the forms whose route depends on it
-    (:class:`Factored`, :class:`Scaled`) what follows the norms (``query``)."""
-    if not query.alone and isinstance(form, (Factored, Scaled)):
-        return form.squared_norms(query)
-    return form.squared_norms()
+def routed(form: Form, query: Query) -> Form:
+    """``form.routed(query)`` where the form has routes to choose (:class:`Factored`,
+    :class:`Scaled`), else ``form``: the form taking the cheapest routes for what ``query``
+    declares will be asked of it."""
+    method = getattr(form, "routed", None)
+    return form if method is None else method(query)
 
 
 def _side_by_side(parts: list) -> Tensor:
@@ -623,8 +628,11 @@ class Scaled:
     def materialize(self) -> Tensor:
         return self._times(self.inner.materialize())
 
-    def squared_norms(self, query: Query = NORMS_ALONE) -> Tensor:
-        return self._times(squared_norms_of(self.inner, query), 2)
+    def squared_norms(self) -> Tensor:
+        return self._times(self.inner.squared_norms(), 2)
+
+    def routed(self, query: Query) -> Scaled:
+        return Scaled(routed(self.inner, query), self.factor)
 
     def dots(self, vector: Tensor) -> Tensor:
         return self._times(self.inner.dots(vector))
@@ -672,10 +680,13 @@ class Form(Protocol):
     * ``masked(keep) -> Form``: the form with ``g_i = 0`` where ``keep[i]`` is false;
     * ``merged_with(other) -> Form``: the form of ``g_i + g'_i``.
 
-    Optional, each with a default (:func:`rebuilt`, :func:`weighted_sums`, :func:`dots_many`;
+    Optional, each with a default (:func:`routed`, :func:`rebuilt`, :func:`weighted_sums`, :func:`dots_many`;
     a subclass of a built-in form that overrides ``weighted_sum`` or ``dots`` must override
     these too, or it inherits the parent's one-pass versions):
 
+    * ``routed(query) -> Form``: the form taking the cheapest routes for what the caller
+      declares it will ask (:class:`pergrad.rules.query.Query`; :meth:`Factored.routed`);
+      default: the form itself;
     * ``rebuilt() -> Form``: the same gradients recomputed from the layer's recorded tensors,
       for use inside a conditional branch (:meth:`Factored.rebuilt`); default: the form itself;
     * ``weighted_sums([c_1, ...]) -> [W.shape, ...]`` and ``dots_many([V_1, ...]) -> [(B,), ...]``:
@@ -781,6 +792,6 @@ def unbroadcast(grad: Tensor, shape: tuple[int, ...]) -> Tensor:
     return ops.reshape(grad, [batch_size(grad), *shape])
 
 
-__all__ = ["Deferred", "Factored", "Form", "Materialized", "Rows", "Scaled", "add_n", "combine", "dots_many",
-           "positions", "rebuilt", "squared_norms_of", "unbroadcast", "weighted_sums",
+__all__ = ["Built", "Deferred", "Factored", "Form", "Materialized", "Rows", "Scaled", "add_n", "combine", "dots_many",
+           "positions", "rebuilt", "routed", "unbroadcast", "weighted_sums",
            "zero_rows"]

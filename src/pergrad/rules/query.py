@@ -1,4 +1,5 @@
-"""What a caller will ask of one per-example result, declared when it asks for the norms.
+"""What a caller will ask of one per-example result, declared before it asks anything
+(:meth:`pergrad.engine.result.PerExampleResult.routed`).
 
 A form can compute ``||g_i||^2`` by several routes of the same math; the cheapest depends on
 what reads the result next. A stride-1 convolution's shifted ghost norms cost ``T_in^2 C``

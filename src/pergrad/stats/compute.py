@@ -85,7 +85,8 @@ def statistics_from_result(result: PerExampleResult, sample_weight: Any = None,
     mask = ops.cast(active, dtype)
     coefficients = mask / maximum(ops.sum(mask), 1)
     # The norms first: a form whose norms build the per-example matrices sums from them.
-    squared_norms_per_var = result.squared_norms(NORMS_THEN_ROWS)
+    result = result.routed(NORMS_THEN_ROWS)
+    squared_norms_per_var = result.squared_norms()
     squared_norms = add_n(squared_norms_per_var) * mask
     norms = ops.sqrt(squared_norms)
     # The mean gradient G and the consensus of the batch, one vote per example,
