@@ -75,6 +75,11 @@ def pytest_configure(config):
                    "deselected on the others; reason (required) says why the others cannot "
                    "run it")
     config.addinivalue_line(
+        "markers", "slow(reason): a check that starts processes (docs pages, several workers, "
+                   "benchmark runs) or takes over ~15 s of one worker; left out of the default "
+                   "run (pyproject.toml: -m 'not slow'), run by `pytest -m slow` and by CI on "
+                   "every backend; reason (required) says what makes it slow")
+    config.addinivalue_line(
         "markers", "needs_tensorflow: a test run on every backend that uses TensorFlow itself "
                    "(tf.data, TensorBoard's event files): skipped where TensorFlow is not "
                    "installed")
@@ -150,6 +155,8 @@ def _runs_on(item, backend: str) -> bool:
             raise pytest.UsageError(f"{item.nodeid}: only_on names Keras backends "
                                     f"(tensorflow, jax, torch), got {marker.args!r}")
         runs = runs and backend in marker.args
+    for marker in item.iter_markers("slow"):
+        _checked_reason(item, marker)
     return runs
 
 

@@ -183,6 +183,7 @@ def test_bench_on_the_jax_backend(tmp_path):
 @pytest.mark.tensorflow_only(reason=(
     "subprocess test: launches its KERAS_BACKEND=tensorflow, jax and torch `pergrad bench "
     "--suites real-models` children once, from the TensorFlow run"))
+@pytest.mark.slow(reason="a benchmark run in a child process, 20-35 s")
 def test_bench_real_models_on_every_backend(backend, tmp_path):
     """``pergrad bench --suites real-models``: a KerasHub BERT with LoRA, its norms, clipped sum
     and DP step against its batch gradient and plain Keras step, on each backend (a process of
@@ -207,6 +208,7 @@ def test_bench_real_models_on_every_backend(backend, tmp_path):
 @pytest.mark.tensorflow_only(reason=(
     "subprocess test: the TensorFlow benchmark suites (training, monitor, jacobian: their report "
     "names the tf.function tape) in a child launched once, from the TensorFlow run"))
+@pytest.mark.slow(reason="three benchmark suites in a child process, ~35 s")
 def test_bench_runs_every_suite(tmp_path):
     """The quick training, monitor and jacobian suites; on the CNN only, unless
     PERGRAD_FULL_TESTS=1 asks for every default model (the transformer's traces double the

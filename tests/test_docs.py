@@ -83,7 +83,13 @@ def pages_run_here() -> list[str]:
     return [p.relative_to(ROOT).as_posix() for p in PAGES if python_blocks(p)]
 
 
-@pytest.mark.parametrize("name", pages_run_here())
+#: Every page but the README (a newcomer's first page, run by default) is a slow check: a fresh
+#: process per page, 7-70 s each.
+SLOW_PAGE = pytest.mark.slow(reason="a fresh process runs the page's examples, 7-70 s a page")
+
+
+@pytest.mark.parametrize("name", [name if name == "README.md" else pytest.param(
+    name, marks=SLOW_PAGE) for name in pages_run_here()])
 def test_page_code_runs(name, tmp_path):
     """The page's code, top to bottom, in a fresh process on this suite's backend (on JAX with
     64-bit types turned on first, as docs/backends.md tells JAX users to)."""

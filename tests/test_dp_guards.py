@@ -120,6 +120,7 @@ def _float16_dp_model(weights, clip):
     return model
 
 
+@pytest.mark.slow(reason="two float16 DP fits with the loss scale: ~35 s on TensorFlow")
 def test_an_overflowing_example_is_dropped_and_the_dp_step_still_happens(rng, policy):
     """Under a DP aggregator, the example whose loss-scaled gradient overflows float16 is dropped
     like a NaN example: the update is the one without it (sigma = 0 makes it exact), the step is

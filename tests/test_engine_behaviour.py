@@ -632,6 +632,7 @@ def _generic_layers() -> keras.Model:
     return keras.Model(inputs, L.Dense(3)(L.GRU(3, recurrent_dropout=0.1)(h)))
 
 
+@pytest.mark.slow(reason="every generic layer compiled under mixed_float16: 13-19 s")
 def test_generic_layers_under_mixed_float16_match_the_float64_oracle(dtype_policy):
     """Replaying a generic layer must cast its float32 weights to float16 as Layer.__call__
     does; compared with a float64 twin at float16's tolerance (u = 4.9e-4)."""

@@ -821,6 +821,7 @@ def test_concurrent_calls_of_one_jacobian():
 
 
 @pytest.mark.only_on("jax", "torch", reason="TensorFlow's run is test_cli's bench smoke test")
+@pytest.mark.slow(reason="a Jacobian benchmark run with every baseline: ~15 s")
 def test_bench_jacobian_runs_and_agrees_with_its_baselines():
     from pergrad.bench import jacobian as bench
 

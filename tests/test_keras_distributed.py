@@ -14,9 +14,9 @@ import textwrap
 
 import pytest
 
-pytestmark = pytest.mark.tensorflow_only(reason=(
+pytestmark = [pytest.mark.tensorflow_only(reason=(
     "tf.distribute.MirroredStrategy over two logical TensorFlow CPU devices, in a TensorFlow "
-    "subprocess"))
+    "subprocess")), pytest.mark.slow(reason="every case trains in one subprocess: ~60 s")]
 
 SCRIPT = textwrap.dedent(r"""
     import json

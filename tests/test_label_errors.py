@@ -233,6 +233,7 @@ def test_flip_classes_flips_only_sources():
         flip_classes(labels, {1: 1}, 0.1)
 
 
+@pytest.mark.slow(reason="a label-errors benchmark row with cleanlab's cross-validation: 10-20 s")
 def test_detection_benchmark_row_finds_flips_and_runs_cleanlab():
     """One digits row of ``pergrad bench --suites label-errors --quick`` (2 epochs, 2 folds):
     pergrad's combined default and cleanlab's baseline both rank the flips well above chance,

@@ -47,6 +47,7 @@ def test_a_missing_module_says_how_to_install_it(tmp_path, monkeypatch):
 @pytest.mark.only_on("jax", "torch", reason=(
     "checks that the JAX and PyTorch workflows never import TensorFlow: on TensorFlow there is "
     "nothing to check"))
+@pytest.mark.slow(reason="runs the workflows in a fresh process: ~20 s")
 def test_workflows_on_this_backend_never_import_tensorflow():
     """In a fresh process on this suite's backend (JAX or PyTorch): PerExample, the
     aggregators, PerExampleModel.fit with dp_mean and the privacy callback; on JAX also stats,

@@ -59,6 +59,7 @@ def _single_process(aggregator, epochs: int = 1, **fit) -> list[np.ndarray]:
     return model.model.get_weights()
 
 
+@pytest.mark.slow(reason="two worker processes train, lose a worker and resume: ~2 min")
 def test_two_workers_train_as_one_process_and_resume_after_a_lost_worker(tmp_path):
     """One launch of both workers runs the three modes one after another (TensorFlow's start
     and the cluster's set-up are paid once); each mode's checks follow."""

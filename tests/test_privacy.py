@@ -591,6 +591,7 @@ def test_quiet_accountant_lets_other_warnings_through(caplog):
 # --------------------------------------------------------------------------- budget
 
 
+@pytest.mark.slow(reason="a search over steps, each an accounting of its own: 12-15 s")
 def test_max_steps_for_is_exact():
     q, sigma, delta = 64 / 1797, 1.1, 1e-5
     for target in (1.5, 2.0, 3.0):
