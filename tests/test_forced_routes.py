@@ -193,8 +193,9 @@ def test_factored_route_cost_model():
 @pytest.mark.parametrize("choice", ["ghost", "matrices"])
 def test_forced_factored_norms_give_the_oracles_numbers(float64, rng, choice):
     """``routes.forced(factored_norms=...)`` takes the named norms route on every factored
-    weight (checked on the routed forms), and every quantity after it, the Gram matrix and dot
-    products included, still gives the float64 loop oracle's numbers."""
+    weight (read off the routed forms while tracing), and every quantity after it (clipped
+    sums, gradients, the Gram matrix, dot products) still gives the float64 loop oracle's
+    numbers."""
     from pergrad.rules.forms import Factored
     from pergrad.rules.query import NORMS_THEN_ROWS
 
@@ -206,18 +207,25 @@ def test_forced_factored_norms_give_the_oracles_numbers(float64, rng, choice):
     flat = np.concatenate([e.reshape(len(x), -1) for e in expected], axis=1)
     norms = np.linalg.norm(flat, axis=1)
     clip = float(np.median(norms))
-    vectors = [rng.normal(size=v.shape) for v in model.trainable_variables]
+    vectors = [keras.ops.convert_to_tensor(rng.normal(size=v.shape))
+               for v in model.trainable_variables]
+    taken = set()
+
+    def body(x, y, w):
+        result = pex.compute(x, y, w).routed(NORMS_THEN_ROWS)
+        taken.update(f.route.norms for f in result.forms if isinstance(f, Factored))
+        n = result.norms()
+        clipped = result.weighted_sum(keras.ops.minimum(1.0, clip / n))
+        return n, clipped, result.gradients(), result.gram(), result.dot(vectors)
+
     with routes.forced(factored_norms=choice):
         pex = pergrad.PerExample(model, loss)
-        result = pex.compute(x, y).routed(NORMS_THEN_ROWS)
-        taken = {f.route.norms for f in result.forms
-                 if isinstance(f, Factored) and f.route.norms != "outer"}
-        grads, computed_norms, summed = _run_every_query(model, loss, x, y, clip)
-        gram = result.gram()
-        dots = result.dot([keras.ops.convert_to_tensor(v) for v in vectors])
-    # The Dense kernel over 12 positions takes the Gram form only when forced; the Conv1D its
-    # shifted ghost norms.
-    assert taken == ({"gram", "rule_ghost"} if choice == "ghost" else {"matrices"})
+        computed_norms, summed, grads, gram, dots = pex.compiled("forced", body)(
+            *pex.prepare(x, y))
+    # The Dense kernel over 12 positions takes the Gram form only when forced, the Conv1D its
+    # shifted ghost norms; the last Dense (one position) its outer products either way.
+    assert taken == ({"gram", "rule_ghost", "outer"} if choice == "ghost"
+                     else {"matrices", "outer"})
     for g, e, v in zip(grads, expected, model.trainable_variables, strict=True):
         assert_close(g, e, atol=1e-6 * np.max(np.abs(e)), what=f"gradients {v.path}")
     assert_close(computed_norms, norms, what="norms")
@@ -225,5 +233,6 @@ def test_forced_factored_norms_give_the_oracles_numbers(float64, rng, choice):
         want = np.tensordot(np.minimum(1.0, clip / norms), e, axes=1)
         assert_close(s, want, atol=1e-6 * np.max(np.abs(want)), what=f"clipped sum {v.path}")
     assert_close(gram, flat @ flat.T, what="gram")
-    want = flat @ np.concatenate([v.ravel() for v in vectors])
+    want = flat @ np.concatenate([np.asarray(keras.ops.convert_to_numpy(v)).ravel()
+                                  for v in vectors])
     assert_close(dots, want, what="dots")
