@@ -134,9 +134,10 @@ def test_products_by_offset_in_every_reduction(name, float64):
                                   "3d_channels_first", "3d_same"])
 def test_shifted_ghost_norms_match_loop_oracle(name, float64, monkeypatch):
     """Norms alone by the shifted Gram of the input (``ghost_norms``, forced here: the cost
-    model takes it on larger layers), and every reduction after those norms (Gram matrix,
-    weighted sums, dots, gradients), against the loop oracle. A clipped sum's norms
-    (``NORMS_THEN_ROWS``) take the per-example products instead, and read them for the sum."""
+    model takes it on larger layers), and every other reduction of the same unrouted result
+    (Gram matrix, weighted sums, dots, gradients, each by its route when asked alone), against
+    the loop oracle. Norms that rows follow (``NORMS_THEN_ROWS``) take the per-example products
+    instead."""
     from pergrad.rules import conv
 
     monkeypatch.setattr(conv, "shifted_ghost_wins", lambda *args: True)
@@ -175,6 +176,18 @@ def test_shifted_ghost_norms_match_loop_oracle(name, float64, monkeypatch):
         assert_close(g, e.reshape(B, -1) @ v.ravel(), what="dots")
     for g, e in zip(grads, expected, strict=True):
         assert_close(g, e, what="gradients")
+
+
+def test_a_routed_form_keeps_its_routes_when_rebuilt():
+    """``rebuilt()`` (read inside a conditional branch) remakes a convolution's form from the
+    layer's recorded tensors; a routed form's remade form keeps the routes declared for it, an
+    unrouted one stays unrouted."""
+    model, layer, _, x, y = _case("2d_same")
+    form = _kernel_form(model, layer, x, y)
+    assert form.remake is not None
+    routed = form.routed(NORMS_THEN_SUMS)
+    assert routed.rebuilt() is not routed and routed.rebuilt().route == routed.route
+    assert form.rebuilt().route is None
 
 
 @pytest.mark.parametrize("name", ["1d_valid", "1d_causal_dilated"])

@@ -106,7 +106,9 @@ class Routes:
         factored_norms: how a factored weight's norms are chosen
             (:func:`pergrad.rules.cost.factored_route`): ``"cost"`` by the cost model (every
             backend), or forced for an A/B run: ``"ghost"`` (the rule's own ghost norms where it
-            has them, else the Gram form) or ``"matrices"`` (the per-example matrices).
+            has them, else the Gram form where the rule gave no native per-example products,
+            else the matrices) or ``"matrices"`` (the per-example matrices); a one-position
+            weight keeps its outer products either way.
     """
 
     eager: bool

@@ -239,7 +239,6 @@ def prefers_ghost(positions: int | None, inputs: int, outputs: int, batch: int |
     return GEMM_ADVANTAGE * ghost < materialized_cost(positions, inputs, outputs, batch, pairs)
 
 
-
 @dataclass(frozen=True)
 class FactoredRoute:
     """The routes one factored weight ``g_i = sum_t A_i[t]^T D_i[t]`` takes for each quantity
@@ -292,7 +291,8 @@ def factored_route(*, positions: int | None, inputs: int | None, outputs: int | 
       nothing follows, or only sums and ``ghost_before_sums`` (sums or rows that follow read
       the matrices instead); the matrices with native products, else the cheaper of the Gram
       form and the matrices by :func:`prefers_ghost`.
-    * dots: the matrices where they would serve the norms (shared with them), else the inputs.
+    * dots: the matrices wherever the form materializes (native products, or the matrices
+      cheaper than the Gram form), even after the rule's ghost norms, else the inputs.
     * sums: read from the matrices when the query declares sums after norms that build them and
       :func:`sums_from_matrices` allows keeping them, else the native sum, else the inputs.
     * gradients: transposed from the matrices when the norms build them and rows follow (or
@@ -326,7 +326,9 @@ def factored_route(*, positions: int | None, inputs: int | None, outputs: int | 
                  else "variable_order")
     return FactoredRoute(norms, dots, sums, gradients)
 
-__all__ = ["CHUNK_BYTES", "FACTORED_NORMS_CHOICES", "FactoredRoute", "factored_route", "GEMM_ADVANTAGE", "ROWS_PAIRWISE_MAX_POSITIONS",
+
+__all__ = ["CHUNK_BYTES", "FACTORED_NORMS_CHOICES", "FactoredRoute", "GEMM_ADVANTAGE",
+           "ROWS_PAIRWISE_MAX_POSITIONS", "factored_route",
            "ROWS_PAIRWISE_MAX_POSITIONS_TENSORFLOW", "SHIFTED_MIN_CHANNELS",
            "SUM_FROM_MATRICES_MAX_ELEMENTS", "examples_per_chunk", "folded_products_win",
            "ghost_cost", "materialized_cost", "prefers_ghost", "rows_pairwise_wins",

@@ -73,8 +73,9 @@ class Built:
     :class:`Deferred` source, and the per-example matrices' blocks with the trace they were
     built in (:func:`pergrad.backend.ops.trace_token`). On TensorFlow that is the graph: a
     tensor made inside a ``tf.cond`` branch is not usable outside it, one of an enclosing graph
-    is (captured). Under ``jax.jit`` (no token) nothing is kept: XLA merges the repeated
-    products. It is a cache only: the routes never read it."""
+    is (captured). Under ``jax.jit`` (no token) no blocks are kept: XLA merges the repeated
+    products. ``a`` is kept whatever the token: only PyTorch, which has none of these scopes,
+    defers it. It is a cache only: the routes never read it."""
 
     def __init__(self) -> None:
         self.a: Tensor | None = None
@@ -223,9 +224,10 @@ class Factored:
         """``[(B, G, O, I_k), ...]``: ``sum_t d_t a_t^T`` per example and group, in blocks along
         ``I`` (one block unless ``per_example`` gives several), in the layout TensorFlow
         multiplies fastest (``matmul(D, A, transpose_a=True)``; docs/benchmarks.md, "Route
-        measurements"). Built once per form (per graph on
-        TensorFlow): norms, dots, sums and Gram matrices share them; only ``materialize``
-        concatenates them and transposes to the variable's layout."""
+        measurements"). Built once per trace and shared by the form's routed copies
+        (:class:`Built`; on TensorFlow reused from an enclosing graph, rebuilt on JAX, where XLA
+        merges the repeats): norms, dots, sums and Gram matrices share them; only
+        ``materialize`` concatenates them and transposes to the variable's layout."""
         token = trace_token()
         blocks = self.built.blocks_for(token)
         if blocks is None:
@@ -416,8 +418,12 @@ class Factored:
         branch's captured inputs before the branch, even on the steps that skip it, so a form
         built outside and read only inside made every step compute the patches (the benchmark
         CNN's ``mean()`` step: a one-hot convolution and an ``ExtractImagePatches`` that no
-        taken branch read)."""
-        return self if self.remake is None else self.remake(None)
+        taken branch read). A routed form's rebuilt form keeps its routes (the same layer,
+        sizes and kernels)."""
+        if self.remake is None:
+            return self
+        remade = self.remake(None)
+        return remade if self.route is None else replace(remade, route=self.route)
 
     def merged_with(self, other: Factored) -> Factored:
         """Two calls of one layer: the sums over positions concatenate along ``T``."""

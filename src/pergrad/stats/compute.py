@@ -84,7 +84,7 @@ def statistics_from_result(result: PerExampleResult, sample_weight: Any = None,
     active = active_examples(sample_weight, result.batch_size)
     mask = ops.cast(active, dtype)
     coefficients = mask / maximum(ops.sum(mask), 1)
-    # The norms first: a form whose norms build the per-example matrices sums from them.
+    # Declared first: a form whose norms build the per-example matrices sums and dots from them.
     result = result.routed(NORMS_THEN_ROWS)
     squared_norms_per_var = result.squared_norms()
     squared_norms = add_n(squared_norms_per_var) * mask
