@@ -75,6 +75,19 @@ def _spy(monkeypatch, field: str) -> list:
     return calls
 
 
+def _oracle_case(rng) -> tuple:
+    """The text model, a batch of 6, and the float64 loop oracle's per-example gradients
+    (``expected``, flattened side by side in ``flat``), their norms and a clip at their median."""
+    model = _text_model()
+    x = rng.integers(0, 20, size=(6, 12)).astype("int32")
+    y = rng.integers(0, 3, size=(6,))
+    loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+    expected, _ = loop_gradients(model, keras_loss(loss), x, y)
+    flat = np.concatenate([e.reshape(len(x), -1) for e in expected], axis=1)
+    norms = np.linalg.norm(flat, axis=1)
+    return model, loss, x, y, expected, flat, norms, float(np.median(norms))
+
+
 def _run_every_query(model, loss, x, y, clip) -> tuple:
     pex = pergrad.PerExample(model, loss)  # traced (or run, on PyTorch) here
     return pex.gradients(x, y), pex.norms(x, y), pex.clipped_sum(x, y, clip)[0]
@@ -101,14 +114,7 @@ def test_a_forced_route_is_the_one_taken(rng, monkeypatch, field):
 
 @pytest.mark.parametrize("field", sorted(SWITCHED_OFF))
 def test_a_route_forced_off_gives_the_oracles_numbers(float64, rng, field):
-    model = _text_model()
-    x = rng.integers(0, 20, size=(6, 12)).astype("int32")
-    y = rng.integers(0, 3, size=(6,))
-    loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
-    expected, _ = loop_gradients(model, keras_loss(loss), x, y)
-    flat = np.concatenate([e.reshape(len(x), -1) for e in expected], axis=1)
-    norms = np.linalg.norm(flat, axis=1)
-    clip = float(np.median(norms))
+    model, loss, x, y, expected, flat, norms, clip = _oracle_case(rng)
     factors = np.minimum(1.0, clip / norms)
 
     with routes.forced(**{field: SWITCHED_OFF[field]}):
@@ -199,14 +205,7 @@ def test_forced_factored_norms_give_the_oracles_numbers(float64, rng, choice):
     from pergrad.rules.forms import Factored
     from pergrad.rules.query import NORMS_THEN_ROWS
 
-    model = _text_model()
-    x = rng.integers(0, 20, size=(6, 12)).astype("int32")
-    y = rng.integers(0, 3, size=(6,))
-    loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
-    expected, _ = loop_gradients(model, keras_loss(loss), x, y)
-    flat = np.concatenate([e.reshape(len(x), -1) for e in expected], axis=1)
-    norms = np.linalg.norm(flat, axis=1)
-    clip = float(np.median(norms))
+    model, loss, x, y, expected, flat, norms, clip = _oracle_case(rng)
     vectors = [keras.ops.convert_to_tensor(rng.normal(size=v.shape))
                for v in model.trainable_variables]
     taken = set()

@@ -159,7 +159,7 @@ class Factored:
     def routed(self, query: Query) -> Factored:
         """This form taking the routes the cost model chooses for ``query`` (what the caller
         will ask of it: :class:`pergrad.rules.query.Query`), sharing what it built."""
-        return replace(self, route=self.route_for(query), built=self.built)
+        return replace(self, route=self.route_for(query))  # the same ``built``, shared
 
     def route_for(self, query: Query) -> FactoredRoute:
         """:func:`pergrad.rules.cost.factored_route` for this form's sizes and kernels, within
