@@ -1,8 +1,9 @@
-"""What the functional engines (JAX, PyTorch) share: one example's call of a layer and one
-example's loss, both through ``stateless_call`` on the variables' values, and the stateless
-scope (``stateless``, ``assign_written``) that ``backend.jax.engine`` and ``backend.torch.jacobian``
-run f in. Only the differentiation around them (``jax.grad``, ``torch.func.grad``) differs per
-backend."""
+"""What the functional engines (JAX, PyTorch) share: one example's call of a layer, one
+example's loss and the batch's losses, all through ``stateless_call`` on the variables' values,
+and the stateless scope (``stateless``, ``assign_written``) that ``backend.jax.engine`` and
+``backend.torch.jacobian`` run f in. Only the differentiation around them (``jax.grad``,
+``torch.func.grad``) differs per backend; the generic rule built on them is
+:mod:`pergrad.engine.generic_rule`."""
 
 from __future__ import annotations
 
@@ -39,6 +40,21 @@ def example_loss(model, loss_fn, training: bool, frozen: list) -> Callable[..., 
             predictions, _ = model.stateless_call(values, frozen, xi, **kwargs)
         return weighted_losses(loss_fn(yi, predictions), wi[None])[0]
     return loss
+
+
+def batch_losses(model, loss_fn, x, y, sample_weight, training: bool,
+                 frozen: list) -> Callable[..., Any]:
+    """``values -> (l, predictions)``: the weighted per-example losses ``l_i = w_i l(y_i,
+    f(x_i; values))`` of the whole batch as a function of the trainable ``values``, through
+    ``stateless_call`` (``frozen``: the non-trainable values)."""
+    kwargs = {"training": training} if call_takes_training(model) else {}
+
+    def losses_of(values):
+        with autocast_scope(model):
+            predictions, _ = model.stateless_call(values, frozen, x, **kwargs)
+        return weighted_losses(loss_fn(y, predictions), sample_weight), predictions
+
+    return losses_of
 
 
 # -- variables read as given values, writes kept -------------------------------------------------

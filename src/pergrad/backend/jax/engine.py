@@ -12,9 +12,9 @@ removes), once inside ``jax.vjp`` with the zeros ``e`` as its input, so a single
 returns the gradient at every tap. The layers' recorded inputs leave the differentiated function
 as auxiliary outputs, so the rules see plain traced arrays.
 
-**Generic rule.** A layer without a rule gets ``g_i = d/dW <f(x_i; W), D_i>`` by ``jax.vmap``
-over examples of ``jax.grad`` through ``layer.stateless_call``: XLA vectorizes it, so the
-TensorFlow hazards (pfor's missing converters, the segfault) do not arise.
+**Generic rule** (:mod:`pergrad.engine.generic_rule` with :data:`DIFFERENTIATION`). A layer
+without a rule gets ``g_i = d/dW <f(x_i; W), D_i>`` by ``jax.vmap`` over examples of
+``jax.grad`` through ``layer.stateless_call``: XLA vectorizes it, so the TensorFlow hazards (pfor's missing converters, the segfault) do not arise.
 """
 
 from __future__ import annotations
@@ -25,7 +25,6 @@ import jax
 import jax.numpy as jnp
 import keras
 
-from pergrad._compat import autocast_scope, call_takes_training
 from pergrad.engine.assemble import (
     add_rows,
     assembled_result,
@@ -33,14 +32,14 @@ from pergrad.engine.assemble import (
     in_groups,
     materialized_result,
 )
-from pergrad.engine.functional import assign_written, example_loss, one_example_call, stateless
+from pergrad.engine.functional import assign_written, batch_losses, example_loss, stateless
+from pergrad.engine.generic_rule import Differentiation, generic_forms
 from pergrad.engine.intercept import record_calls
 from pergrad.engine.losses import weighted_losses
 from pergrad.engine.masks import masks_of, with_masks
-from pergrad.engine.plan import Plan, draws_random
+from pergrad.engine.plan import Plan
 from pergrad.engine.result import PerExampleResult
 from pergrad.rules import LayerCall
-from pergrad.rules.forms import Materialized
 
 
 # -- variables as traced values -------------------------------------------------------------------
@@ -112,7 +111,6 @@ def _rebuild(record: LayerCall, parts: tuple, arrays: list, values: list) -> Lay
 def run_auto(model, plan: Plan, loss_fn, x, y, sample_weight, training: bool,
              warned: set) -> PerExampleResult:
     """Record, one ``jax.vjp`` of the summed loss to every tap, then rules."""
-    del warned  # every layer vectorizes under jax.vmap: there is no loop to warn about
     variables = list(model.variables)
     values = current_values(variables)
     residual_ids = {id(v) for v in plan.residual}
@@ -151,66 +149,21 @@ def run_auto(model, plan: Plan, loss_fn, x, y, sample_weight, training: bool,
     with stateless(variables, values):
         by_variable = forms_by_variable(
             plan, zip(calls, in_groups(tap_grads, counts), strict=True),
-            lambda call, grads: generic_forms(call.layer, call, grads, training))
+            lambda call, grads: generic_forms(DIFFERENTIATION, call.layer, call, grads, training,
+                                              warned))
     if residual_index:
         add_rows(by_variable, [variables[k] for k in residual_index], residual_grads)
     return assembled_result(model, by_variable, losses, predictions)
 
 
 # -- the generic rule ---------------------------------------------------------------------------
-def _batched(leaf, batch: int) -> bool:
-    return _is_array(leaf) and len(leaf.shape) > 0 and leaf.shape[0] == batch
-
-
-def generic_forms(layer, call: LayerCall, grads: list, training: bool) -> list[Materialized]:
-    """``g_i = d/dW <f(x_i; W), D_i>`` for every trainable variable of ``layer``: ``jax.vmap``
-    over examples of one layer's VJP through ``stateless_call``.
-
-    A layer that draws random numbers (dropout) in training mode would draw other numbers for
-    one example alone, so it is replayed on the whole batch with the seed state it ran with
-    (the same numbers) and differentiated per example: ``jax.jacrev`` of
-    ``s_i(W) = <f(x; W)_i, D_i>``, exact for the mask the forward pass drew."""
-    if training and draws_random(layer):
-        return _replayed_forms(layer, call, grads)
-    variables = layer.trainable_variables
-    values = current_values(variables)
-    frozen = current_values(layer.non_trainable_variables)
-    leaves = keras.tree.flatten((call.args, call.kwargs))
-    batch = grads[0].shape[0]
-    batched = [i for i, leaf in enumerate(leaves) if _batched(leaf, batch)]
-
-    def one_example(example_leaves, example_grads):
-        args, kwargs = one_example_call(call, leaves, batched, example_leaves)
-
-        def inner(vals):
-            with autocast_scope(layer):
-                out, _ = layer.stateless_call(vals, frozen, *args, **kwargs)
-            outs = _floating_leaves(out)
-            return sum(jnp.sum(o * g[None].astype(o.dtype))
-                       for o, g in zip(outs, example_grads, strict=True))
-
-        return jax.grad(inner)(values)
-
-    per_example = jax.vmap(one_example)([leaves[i] for i in batched], list(grads))
-    return [Materialized(v, g.astype(v.dtype)) for v, g in zip(variables, per_example,
-                                                               strict=True)]
-
-
-def _replayed_forms(layer, call: LayerCall, grads: list) -> list[Materialized]:
-    variables = layer.trainable_variables
-    frozen = call.saved  # the layer's non-trainable values when the call ran (seed states)
-    batch = grads[0].shape[0]
-
-    def per_example(values):
-        with autocast_scope(layer):
-            out, _ = layer.stateless_call(values, frozen, *call.args, **call.kwargs)
-        outs = _floating_leaves(out)
-        return sum(jnp.sum(jnp.reshape(o * g.astype(o.dtype), (batch, -1)), axis=1)
-                   for o, g in zip(outs, grads, strict=True))
-
-    jacobians = jax.jacrev(per_example)(current_values(variables))
-    return [Materialized(v, j.astype(v.dtype)) for v, j in zip(variables, jacobians,
-                                                               strict=True)]
+#: What :mod:`pergrad.engine.generic_rule` differentiates with on JAX: every layer vectorizes
+#: under ``jax.vmap`` inside the trace, so there is no per-example loop to fall back to.
+DIFFERENTIATION = Differentiation(
+    grad=jax.grad, vmap=jax.vmap, jacrev=jax.jacrev, values=current_values,
+    is_array=_is_array, is_floating=lambda t: jnp.issubdtype(t.dtype, jnp.floating),
+    cast=lambda t, like: t.astype(like.dtype), total=jnp.sum,
+    row_sums=lambda t: jnp.sum(jnp.reshape(t, (t.shape[0], -1)), axis=1), stack=jnp.stack)
 
 
 # -- whole-model baselines ------------------------------------------------------------------------
@@ -246,23 +199,10 @@ def run_loop(model, loss_fn, x, y, sample_weight, training: bool) -> PerExampleR
     return _per_example_map(jax.lax.map, model, loss_fn, x, y, sample_weight, training)
 
 
-def _batch_losses(model, loss_fn, x, y, sample_weight, training: bool):
-    """``values -> (l, predictions)``: the weighted per-example losses of the whole batch as a
-    function of the trainable values, through ``stateless_call``."""
-    frozen = current_values(model.non_trainable_variables)
-    kwargs = {"training": training} if call_takes_training(model) else {}
-
-    def losses_of(values):
-        with autocast_scope(model):
-            predictions, _ = model.stateless_call(values, frozen, x, **kwargs)
-        return weighted_losses(loss_fn(y, predictions), sample_weight), predictions
-
-    return losses_of
-
-
 def run_jacobian(model, loss_fn, x, y, sample_weight, training: bool) -> PerExampleResult:
     """``jax.jacrev`` of the per-example losses with respect to every trainable variable."""
-    losses_of = _batch_losses(model, loss_fn, x, y, sample_weight, training)
+    losses_of = batch_losses(model, loss_fn, x, y, sample_weight, training,
+                             current_values(model.non_trainable_variables))
 
     def with_aux(values):
         losses, predictions = losses_of(values)
@@ -280,7 +220,8 @@ RUNNERS: dict[str, Any] = {"jacobian": run_jacobian, "vmap": run_vmap, "loop": r
 def batch_gradient(model, loss_fn, x, y, sample_weight, training: bool) -> list:
     """``d/dtheta sum_i l_i`` by ``jax.grad`` of the whole model: what :meth:`PerExample.check`
     compares ``sum_i g_i`` with."""
-    losses_of = _batch_losses(model, loss_fn, x, y, sample_weight, training)
+    losses_of = batch_losses(model, loss_fn, x, y, sample_weight, training,
+                             current_values(model.non_trainable_variables))
     return jax.grad(lambda values: jnp.sum(losses_of(values)[0]))(
         current_values(model.trainable_variables))
 

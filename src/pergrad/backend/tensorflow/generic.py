@@ -22,11 +22,11 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import warnings
 
 import tensorflow as tf
 
 from pergrad._compat import autocast_scope, owns_seed_generator, sublayers
+from pergrad.engine.generic_rule import warn_of_the_loop
 from pergrad.rules import LayerCall
 from pergrad.rules.forms import Materialized
 
@@ -100,13 +100,7 @@ def generic_forms(layer, call: LayerCall, grads: list, batch_size: int | None,
         with _quiet_pfor():
             per_example = tf.vectorized_map(one_example, elems, fallback_to_while_loop=False)
     except Exception as error:  # noqa: BLE001 - pfor raises several types for missing converters
-        if id(layer) not in warned:
-            warned.add(id(layer))
-            warnings.warn(
-                f"pergrad: layer {layer.name!r} ({type(layer).__name__}) could not be vectorized "
-                f"({type(error).__name__}: {str(error).splitlines()[0][:160]}); its per-example "
-                "gradients are computed with a per-example loop, which is slower but exact.",
-                RuntimeWarning, stacklevel=2)
+        warn_of_the_loop(layer, error, warned)
         per_example = tf.map_fn(one_example, elems,
                                 fn_output_signature=[tf.TensorSpec(v.shape, v.dtype)
                                                      for v in values])

@@ -13,26 +13,25 @@ with respect to every ``e_k`` returns the gradient at every tap in one backward 
 computes only what reaches the taps: no weight gradient is formed. The recorded layer inputs are
 detached before the rules see them.
 
-**Generic rule.** A layer without a rule gets ``g_i = d/dW <f(x_i; W), D_i>`` by
-``torch.func.vmap`` over examples of ``torch.func.grad`` through ``layer.stateless_call`` (in
+**Generic rule** (:mod:`pergrad.engine.generic_rule` with :data:`DIFFERENTIATION`). A layer
+without a rule gets ``g_i = d/dW <f(x_i; W), D_i>`` by ``torch.func.vmap`` over examples of ``torch.func.grad`` through ``layer.stateless_call`` (in
 `pergrad._compat.torch_convolutions_in_vmap`, so that Keras's convolutions run under vmap).
 Where vmap cannot run the layer (an op without a batching rule that raises, a data-dependent
 branch), a per-example loop of the same function computes the same numbers, with one warning
-naming the layer. A layer that draws random numbers in training mode (dropout inside an LSTM) is replayed
-on the whole batch with the seed state it ran with (the same mask) and differentiated per
+naming the layer. A layer that draws random numbers in training mode (dropout inside an LSTM)
+is replayed on the whole batch with the seed state it ran with (the same mask) and differentiated per
 example by ``torch.func.jacrev``.
 """
 
 from __future__ import annotations
 
-import warnings
 from typing import Any
 
 import keras
 import torch
 from keras import ops
 
-from pergrad._compat import autocast_scope, call_takes_training, torch_convolutions_in_vmap
+from pergrad._compat import torch_convolutions_in_vmap
 from pergrad.backend.torch.random import replaying_generators
 from pergrad.engine.assemble import (
     add_rows,
@@ -41,14 +40,14 @@ from pergrad.engine.assemble import (
     in_groups,
     materialized_result,
 )
-from pergrad.engine.functional import example_loss, one_example_call
+from pergrad.engine.functional import batch_losses, example_loss
+from pergrad.engine.generic_rule import Differentiation, generic_forms
 from pergrad.engine.intercept import record_calls
 from pergrad.engine.losses import weighted_losses
 from pergrad.engine.masks import map_keeping_masks, masks_of, with_masks
-from pergrad.engine.plan import Plan, draws_random
+from pergrad.engine.plan import Plan
 from pergrad.engine.result import PerExampleResult
 from pergrad.rules import LayerCall
-from pergrad.rules.forms import Materialized
 
 
 def _is_tensor(leaf) -> bool:
@@ -113,13 +112,10 @@ def run_auto(model, plan: Plan, loss_fn, x, y, sample_weight, training: bool,
                        record.saved, record.generators) for record in order]
     by_variable = forms_by_variable(
         plan, zip(calls, in_groups(tap_grads, counts), strict=True),
-        lambda call, grads: generic_forms(call.layer, call, grads, training, warned))
+        lambda call, grads: generic_forms(DIFFERENTIATION, call.layer, call, grads, training,
+                                          warned))
     add_rows(by_variable, plan.residual, residual_grads)
     return assembled_result(model, by_variable, losses.detach(), _detached_predictions(predictions))
-
-
-def _torch_dtype(variable) -> torch.dtype:
-    return variable.value.dtype
 
 
 def _per_example_jacobian(losses, inputs: list) -> list:
@@ -140,77 +136,17 @@ def _per_example_jacobian(losses, inputs: list) -> list:
 
 
 # -- the generic rule ---------------------------------------------------------------------------
-def _batched(leaf, batch: int) -> bool:
-    return _is_tensor(leaf) and leaf.dim() > 0 and leaf.shape[0] == batch
-
-
-def generic_forms(layer, call: LayerCall, grads: list, training: bool,
-                  warned: set) -> list[Materialized]:
-    """``g_i = d/dW <f(x_i; W), D_i>`` for every trainable variable of ``layer``:
-    ``torch.func.vmap`` over examples of one layer's VJP through ``stateless_call``, a
-    per-example loop (warned once per layer) where vmap cannot run the layer."""
-    if training and draws_random(layer):
-        return _replayed_forms(layer, call, grads)
-    variables = layer.trainable_variables
-    values = _values(variables)
-    frozen = _values(layer.non_trainable_variables)
-    leaves = keras.tree.flatten((call.args, call.kwargs))
-    batch = grads[0].shape[0]
-    batched = [i for i, leaf in enumerate(leaves) if _batched(leaf, batch)]
-
-    def one_example(example_leaves, example_grads):
-        args, kwargs = one_example_call(call, leaves, batched, example_leaves)
-
-        def inner(vals):
-            with autocast_scope(layer):
-                out, _ = layer.stateless_call(vals, frozen, *args, **kwargs)
-            outs = _floating_leaves(out)
-            return sum(torch.sum(o * g[None].to(o.dtype))
-                       for o, g in zip(outs, example_grads, strict=True))
-
-        return torch.func.grad(inner)(values)
-
-    example_leaves = [leaves[i] for i in batched]
-    try:
-        with torch_convolutions_in_vmap():
-            per_example = torch.func.vmap(one_example)(example_leaves, list(grads))
-    except Exception as error:  # noqa: BLE001 - vmap raises several types for what it cannot batch
-        if id(layer) not in warned:
-            warned.add(id(layer))
-            warnings.warn(
-                f"pergrad: torch.func.vmap cannot run layer {layer.name!r} "
-                f"({type(layer).__name__}) ({type(error).__name__}: "
-                f"{' '.join(str(error).split())[:240]}); its per-example "
-                "gradients are computed with a per-example loop, which is slower but exact.",
-                RuntimeWarning, stacklevel=2)
-        rows = [one_example([t[i] for t in example_leaves], [g[i] for g in grads])
-                for i in range(batch)]
-        per_example = [torch.stack(list(column)) for column in zip(*rows, strict=True)]
-    return [Materialized(v, g.to(_torch_dtype(v))) for v, g in zip(variables, per_example,
-                                                                   strict=True)]
-
-
-def _replayed_forms(layer, call: LayerCall, grads: list) -> list[Materialized]:
-    """The layer replayed on the whole batch with the non-trainable values its call ran with
-    (``call.saved``: the seed states) and torch's generators as they were when it ran
-    (``call.generators``: Keras's unseeded dropout draws from them), so with the same dropout
-    masks; ``s_i(W) = <f(x; W)_i, D_i>`` differentiated per example by ``torch.func.jacrev``:
-    exact for the masks drawn."""
-    variables = layer.trainable_variables
-    frozen = call.saved
-    batch = grads[0].shape[0]
-
-    def per_example(values):
-        with autocast_scope(layer):
-            out, _ = layer.stateless_call(values, frozen, *call.args, **call.kwargs)
-        outs = _floating_leaves(out)
-        return sum(torch.sum(torch.reshape(o * g.to(o.dtype), (batch, -1)), dim=1)
-                   for o, g in zip(outs, grads, strict=True))
-
-    with replaying_generators(call.generators):
-        jacobians = torch.func.jacrev(per_example)(_values(variables))
-    return [Materialized(v, j.to(_torch_dtype(v))) for v, j in zip(variables, jacobians,
-                                                                   strict=True)]
+#: What :mod:`pergrad.engine.generic_rule` differentiates with on PyTorch: ``torch.func``'s
+#: transforms (vmap in :func:`torch_convolutions_in_vmap`, a per-example loop where vmap cannot
+#: run a layer), and a random layer replayed with torch's generators as they were when it ran
+#: (``call.generators``: Keras's unseeded dropout draws from them), so with the same masks.
+DIFFERENTIATION = Differentiation(
+    grad=torch.func.grad, vmap=torch.func.vmap, jacrev=torch.func.jacrev, values=_values,
+    is_array=_is_tensor, is_floating=lambda t: t.is_floating_point(),
+    cast=lambda t, like: t.to(like.dtype), total=torch.sum,
+    row_sums=lambda t: torch.sum(torch.reshape(t, (t.shape[0], -1)), dim=1), stack=torch.stack,
+    vectorizing=torch_convolutions_in_vmap,
+    replaying=lambda call: replaying_generators(call.generators), loops_where_vmap_fails=True)
 
 
 # -- whole-model baselines ------------------------------------------------------------------------
@@ -274,24 +210,11 @@ def run_loop(model, loss_fn, x, y, sample_weight, training: bool) -> PerExampleR
     return _materialized(model, grads, torch.stack(losses), _predictions(model, x, training))
 
 
-def _batch_losses(model, loss_fn, x, y, sample_weight, training: bool):
-    """``values -> (l, predictions)``: the weighted per-example losses of the whole batch as a
-    function of the trainable values, through ``stateless_call``."""
-    frozen = _values(model.non_trainable_variables)
-    kwargs = {"training": training} if call_takes_training(model) else {}
-
-    def losses_of(values):
-        with autocast_scope(model):
-            predictions, _ = model.stateless_call(values, frozen, x, **kwargs)
-        return weighted_losses(loss_fn(y, predictions), sample_weight), predictions
-
-    return losses_of
-
-
 def run_jacobian(model, loss_fn, x, y, sample_weight, training: bool) -> PerExampleResult:
     """``torch.func.jacrev`` of the per-example losses with respect to every trainable
     variable."""
-    losses_of = _batch_losses(model, loss_fn, x, y, sample_weight, training)
+    losses_of = batch_losses(model, loss_fn, x, y, sample_weight, training,
+                             _values(model.non_trainable_variables))
 
     def with_aux(values):
         losses, predictions = losses_of(values)
