@@ -30,6 +30,12 @@ def dtype_of(t: Any) -> str:
     return keras.backend.standardize_dtype(t.dtype)
 
 
+def concatenate_over_range(fn: Callable[[Any], Any], count: int) -> Any:
+    """``concatenate([fn(k) for k in range(count)])``, unrolled: ``count`` calls of ``fn`` with
+    a Python ``int`` (a TensorFlow graph, a ``tf.cond`` branch, eager PyTorch)."""
+    return ops.concatenate([fn(k) for k in range(count)], axis=0)
+
+
 def add_n(terms: list) -> Any:
     """``sum(terms)`` without a leading zero."""
     return functools.reduce(ops.add, terms)

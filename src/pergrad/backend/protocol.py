@@ -49,6 +49,10 @@ class Backend(Protocol):
     def map_in_chunks(self, fn: Callable[..., Any], arrays: tuple, chunk: int) -> Any:
         """``fn(*arrays)``, possibly over consecutive chunks of ``chunk`` rows."""
 
+    def concatenate_over_range(self, fn: Callable[[Any], Any], count: int) -> Any:
+        """``concatenate([fn(k) for k in range(count)])`` of ``(1, ...)`` results: one rolled
+        loop where a compiler would otherwise compile ``fn`` ``count`` times (JAX)."""
+
     def unique_row_squared_norms(self, ids: Any, flat_d: Any, num_rows: int) -> Any:
         """``(B,)``: an embedding table's per-example squared norms by a native ``unique`` over
         the (example, row) keys (where ``ROUTES.embedding_norms`` is ``"unique"``)."""

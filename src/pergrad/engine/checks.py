@@ -145,7 +145,9 @@ def mixing_differences(model, loss_fn, x, y, num_examples: int,
     """``(n,)`` float64 (float32 on JAX without x64): the relative difference (module docstring)
     of example ``k``'s loss in and out of the batch for ``k < n = num_examples``; with fewer
     examples than that, the last one is repeated. Traceable (a ``tf.function``, a ``tf.cond``
-    branch): ``num_examples`` model calls on one example each, unrolled, no loop.
+    branch): ``num_examples`` model calls on one example each, unrolled, no loop, except on
+    JAX, where one ``lax.map`` over the examples compiles the call once
+    (:func:`pergrad.backend.protocol.Backend.concatenate_over_range`).
 
     Each difference is the larger of two: at the model's weights, and at randomly perturbed
     trainable weights (:func:`perturbed_weights`). A path that mixes examples behind a factor
@@ -234,12 +236,13 @@ def _differences(call, loss_fn, x, y, num_examples: int):
     floor = ops.sum(magnitude) / maximum(ops.sum(ops.cast(finite, wide)), 1.0)
     static = in_batch.shape[0]
     count = num_examples if static is None else max(1, min(num_examples, int(static)))
-    differences = []
-    for k in range(count):
+
+    def difference(k):
         index = ops.reshape(ops.minimum(k, size - 1), [1])
         alone = ops.cast(loss_fn(_take(y, index), call(_take(x, index))), wide)
-        differences.append(_relative(ops.take(in_batch, index, axis=0), alone, floor))
-    return ops.concatenate(differences, axis=0)
+        return _relative(ops.take(in_batch, index, axis=0), alone, floor)
+
+    return backend.native().concatenate_over_range(difference, count)
 
 
 def require_trainable_weights(model) -> None:

@@ -10,6 +10,7 @@ from pergrad.backend.jax.conv import (
 from pergrad.backend.jax.host import branch, host_call, wait_for_host_callbacks
 from pergrad.backend.jax.ops import (
     assert_positive,
+    concatenate_over_range,
     full_float32,
     image_patches,
     map_in_chunks,
@@ -53,7 +54,7 @@ RNN_BACKWARDS_IN_INPUT_ORDER = True
 ROUTES = routes.JAX
 
 __all__ = ["NAME", "RNN_BACKWARDS_IN_INPUT_ORDER", "RNN_MASK_HOLDS_STATE", "ROUTES", "branch",
-           "host_call", "wait_for_host_callbacks", "assert_positive", "check_noise_keys", "enable_noise_keys",
+           "host_call", "wait_for_host_callbacks", "assert_positive", "concatenate_over_range", "check_noise_keys", "enable_noise_keys",
            "depthwise_filter_gradients", "depthwise_products_by_forward_conv", "full_float32",
            "gaussian_noise", "generator_state", "grouped_filter_gradients",
            "grouped_filter_gradients_available", "replaying_generators",

@@ -1,6 +1,7 @@
 """PyTorch's primitives (:class:`pergrad.backend.protocol.Backend`)."""
 
 from pergrad.backend import routes
+from pergrad.backend.neutral import concatenate_over_range
 from pergrad.backend.torch.conv import (
     depthwise_filter_gradients,
     depthwise_products_by_forward_conv,
@@ -54,7 +55,7 @@ RNN_BACKWARDS_IN_INPUT_ORDER = False
 ROUTES = routes.TORCH
 
 __all__ = ["NAME", "RNN_BACKWARDS_IN_INPUT_ORDER", "RNN_MASK_HOLDS_STATE", "ROUTES", "branch",
-           "host_call", "wait_for_host_callbacks", "assert_positive", "check_noise_keys", "enable_noise_keys",
+           "host_call", "wait_for_host_callbacks", "assert_positive", "concatenate_over_range", "check_noise_keys", "enable_noise_keys",
            "depthwise_filter_gradients", "depthwise_products_by_forward_conv", "full_float32",
            "gaussian_noise", "generator_state", "grouped_filter_gradients",
            "grouped_filter_gradients_available", "replaying_generators",
