@@ -621,6 +621,21 @@ def test_check_tolerances_follow_the_compute_dtype(policy, dtype_policy):
         pergrad.PerExample(tied, zoo.SCCE).check(ids, y)
 
 
+@pytest.mark.only_on("jax", reason="jax_enable_x64 is JAX's switch for 64-bit arrays")
+def test_float64_without_x64_on_jax_gets_float32_tolerances(float64):
+    """Without ``jax_enable_x64`` a float64 model computes in float32 on JAX: its checks take
+    float32's tolerances (float64's 1e-10 raised a false MixesExamplesError at 5e-8)."""
+    import jax
+
+    model = zoo.mlp().model
+    assert pergrad.engine.compute_dtype(model) == "float64"
+    jax.config.update("jax_enable_x64", False)
+    try:
+        assert pergrad.engine.compute_dtype(model) == "float32"
+    finally:
+        jax.config.update("jax_enable_x64", True)
+
+
 def _generic_layers() -> keras.Model:
     inputs = keras.Input((6, 6, 2))
     h = L.DepthwiseConv2D(3, depth_multiplier=2, activation="tanh")(inputs)

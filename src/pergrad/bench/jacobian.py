@@ -36,6 +36,7 @@ Usage:
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import os
 import random
@@ -46,7 +47,7 @@ from collections.abc import Callable
 import keras
 import numpy as np
 
-from pergrad.backend import is_jax, is_torch
+from pergrad.backend import native
 from pergrad.backend.lazy import tensorflow as tf
 from pergrad.jacobian import jacobian
 
@@ -245,19 +246,16 @@ def markdown(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+#: Each backend's framework: its name in the report and its module.
+_FRAMEWORKS = {"tensorflow": ("TensorFlow", "tensorflow"), "jax": ("JAX", "jax"),
+               "torch": ("PyTorch", "torch")}
+
+
 def header() -> str:
     """The report's first line: the framework and Keras versions, the CPUs."""
-    if is_torch():
-        import torch
-
-        engine = f"PyTorch {torch.__version__}"
-    elif is_jax():
-        import jax
-
-        engine = f"JAX {jax.__version__}"
-    else:
-        engine = f"TensorFlow {tf.version.VERSION}"  # the lazy module has no __version__
-    return (f"{engine}, Keras {keras.__version__}, {os.cpu_count()} CPU(s); "
+    name, module = _FRAMEWORKS[native().NAME]
+    version = importlib.import_module(module).__version__
+    return (f"{name} {version}, Keras {keras.__version__}, {os.cpu_count()} CPU(s); "
             "median per call on new inputs, warm-up excluded")
 
 

@@ -41,8 +41,10 @@ def layer_rounding(layer: Any, dtype: str) -> str:
     """Keras's dtype promotion on JAX maps 64-bit results to 32-bit
     (``keras.backend.result_type("float64", "float32")`` is ``"float32"``, to match JAX's
     default), so normalization layers compute their statistics in float32 even in a float64
-    model: they round as float32."""
-    if dtype == "float64" and isinstance(layer, _STATISTICS_LAYERS):
+    model: they round as float32. Without ``jax_enable_x64`` JAX computes every float64 layer
+    in float32 (its arrays are truncated), so every such layer rounds as float32."""
+    if dtype == "float64" and (isinstance(layer, _STATISTICS_LAYERS)
+                               or not jax.config.jax_enable_x64):
         return "float32"
     return dtype
 
