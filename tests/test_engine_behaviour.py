@@ -552,6 +552,53 @@ def test_example_mixing_inside_a_cond_branch_with_structured_inputs(mix):
         assert value == np.inf if mix else 0.0 <= value <= tolerance, (batch, value)
 
 
+class _CountsCalls(L.Layer):
+    """The identity, counting its calls in a non-trainable weight: state written at inference."""
+
+    def build(self, input_shape):
+        self.calls = self.add_weight(shape=(), initializer="zeros", trainable=False,
+                                     name="calls")
+
+    def call(self, x):
+        self.calls.assign(self.calls + 1.0)
+        return x
+
+
+class _AlwaysNoisy(L.Layer):
+    """Adds standard normal noise at every call, inference too: a seed state written."""
+
+    def __init__(self):
+        super().__init__()
+        self.seed_generator = keras.random.SeedGenerator(3)
+
+    def call(self, x):
+        return x + keras.random.normal(keras.ops.shape(x), dtype=x.dtype,
+                                       seed=self.seed_generator)
+
+
+def test_the_mixing_check_writes_no_state_and_refuses_a_random_layer(float64):
+    """Each of the check's model calls runs in a scope of its own (on JAX inside one
+    ``lax.map``, out of which nothing traced may leak): a layer writing a weight at inference
+    passes and finds its weight as it was; a layer drawing noise at inference is refused as
+    mixing (its draws for an example alone and in the batch differ), its seed state as it was."""
+    rng = np.random.default_rng(10)
+    x, y = rng.normal(size=(6, 4)), rng.normal(size=(6, 2))
+    inputs = keras.Input((4,))
+    counter = _CountsCalls()
+    model = keras.Model(inputs, L.Dense(2)(counter(L.Dense(3, activation="tanh")(inputs))))
+    before = float(keras.ops.convert_to_numpy(counter.calls.value))
+    mixing = pergrad.PerExample(model, "mse").example_mixing(x, y)
+    assert float(mixing) <= pergrad.engine.mixing_tolerance("float64")
+    assert float(keras.ops.convert_to_numpy(counter.calls.value)) == before
+
+    noisy = _AlwaysNoisy()
+    model = keras.Model(inputs, L.Dense(2)(noisy(L.Dense(8, activation="tanh")(inputs))))
+    seed = keras.ops.convert_to_numpy(noisy.seed_generator.state.value).copy()
+    assert float(pergrad.PerExample(model, "mse").example_mixing(x, y)) > 0.1
+    np.testing.assert_array_equal(
+        keras.ops.convert_to_numpy(noisy.seed_generator.state.value), seed)
+
+
 def test_example_mixing_argument_and_trace_cache():
     case = zoo.embedding()
     pex = pergrad.PerExample(case.model, case.loss)

@@ -71,10 +71,11 @@ def _case(family: str, dims: int, strides, padding: str, dilation, depth_multipl
 
 
 def _float32_geometries() -> list:
-    """Every geometry where the backend has native depthwise routes, whose choice depends on
-    the dtype (TensorFlow's oneDNN float32 kernels, PyTorch's float32-only separable layers);
-    where the routes are the patch einsum whatever the dtype (JAX), :data:`GEOMETRIES` are
-    checked in float64 by :func:`test_rule_matches_loop_oracle` and float32 runs the same
+    """Every geometry where float32 checks what float64 does not: on TensorFlow the route
+    depends on the dtype (oneDNN's float32 kernels, :func:`forward_conv_products_win`), on
+    PyTorch float32 is the only check of the separable layers (float64 ones are skipped,
+    ``_case``). Where the routes are the patch einsum whatever the dtype (JAX), every geometry
+    is checked in float64 by :func:`test_rule_matches_loop_oracle` and float32 runs the same
     code: two geometries check its rounding and the route."""
     if native().ROUTES.depthwise_products == "native":
         return GEOMETRIES

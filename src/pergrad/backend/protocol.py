@@ -51,7 +51,9 @@ class Backend(Protocol):
 
     def concatenate_over_range(self, fn: Callable[[Any], Any], count: int) -> Any:
         """``concatenate([fn(k) for k in range(count)])`` of ``(1, ...)`` results: one rolled
-        loop where a compiler would otherwise compile ``fn`` ``count`` times (JAX)."""
+        loop where a compiler would otherwise compile ``fn`` ``count`` times (JAX). ``k`` is a
+        Python ``int`` or a traced ``int32`` scalar; ``fn`` must keep its side effects (variable
+        writes, added losses) in a scope of its own: nothing traced may leave a rolled loop."""
 
     def unique_row_squared_norms(self, ids: Any, flat_d: Any, num_rows: int) -> Any:
         """``(B,)``: an embedding table's per-example squared norms by a native ``unique`` over

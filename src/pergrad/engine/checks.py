@@ -167,21 +167,16 @@ def mixing_differences(model, loss_fn, x, y, num_examples: int,
 
 
 def _mixing_differences(model, loss_fn, x, y, num_examples: int, at_perturbed_weights: bool):
-    current = _differences(lambda inputs: model(inputs, training=False), loss_fn, x, y,
-                           num_examples)
+    variables = [*model.trainable_variables, *model.non_trainable_variables]
+    values = [ops.convert_to_tensor(variable.value) for variable in variables]
+    current = _differences(_call_at(model, list(zip(variables, values, strict=True))), loss_fn,
+                           x, y, num_examples)
     if not at_perturbed_weights:
         return current
     trainable, frozen = perturbed_weights(model)
     mapping = [*zip(model.trainable_variables, trainable, strict=True),
                *zip(model.non_trainable_variables, frozen, strict=True)]
-
-    def perturbed_call(inputs):
-        # The model's own __call__ (input casting, autocast) with the perturbed values; what
-        # the call writes stays in the scope.
-        with keras.StatelessScope(state_mapping=mapping):
-            return model(inputs, training=False)
-
-    perturbed = _differences(perturbed_call, loss_fn, x, y, num_examples)
+    perturbed = _differences(_call_at(model, mapping), loss_fn, x, y, num_examples)
     # Only a finite difference above float32's rounding counts there: XLA may compute the
     # perturbed pass of a float64 model with float32 rounding (seen on JAX's CPU: 1.5e-7), and
     # a path that really mixes differs by far more once its factor is open.
@@ -189,6 +184,20 @@ def _mixing_differences(model, loss_fn, x, y, num_examples: int, at_perturbed_we
                            perturbed > ops.cast(_PERTURBED_FLOOR, perturbed.dtype))
     perturbed = ops.where(real, perturbed, ops.zeros_like(perturbed))
     return maximum(current, perturbed)
+
+
+def _call_at(model, mapping: list):
+    """The model's own ``__call__`` (input casting, autocast) with ``training=False`` and the
+    variables' values in ``mapping``, each call in a scope of its own: what a call writes (a
+    random layer's seed, a counter) or adds (activity-regularization losses) stays there, so
+    the check changes no state and nothing traced inside JAX's ``lax.map``
+    (:func:`pergrad.backend.protocol.Backend.concatenate_over_range`) leaks out of it."""
+
+    def call(inputs):
+        with keras.StatelessScope(state_mapping=mapping):
+            return model(inputs, training=False)
+
+    return call
 
 
 #: The smallest relative difference at perturbed weights that counts as mixing (float32's
