@@ -22,10 +22,9 @@ from pergrad.keras.batch_norm import group_count
 
 L = keras.layers
 # JAX compiles every op of a keras.applications model on first use: building and calling one
-# took 45-55 s on a 2-core CPU (TensorFlow and PyTorch: 2-11 s). The copy is backend-neutral
-# Keras code, and the small models below check it on JAX.
-NOT_ON_JAX = pytest.mark.skipif(keras.backend.backend() == "jax",
-                                reason="keras.applications models take ~50 s each on JAX")
+# took 20-22 s on a 2-core CPU (TensorFlow and PyTorch: 2-11 s), a slow check there.
+SLOW_ON_JAX = ([pytest.mark.slow(reason="a keras.applications model takes ~20 s on JAX")]
+               if keras.backend.backend() == "jax" else [])
 
 
 def _numpy(tensor) -> np.ndarray:
@@ -127,8 +126,8 @@ def test_group_count(channels, groups, expected):
 
 # -- keras.applications models ----------------------------------------------------------------------
 
-@NOT_ON_JAX
-@pytest.mark.parametrize("name", ["MobileNetV3Small", "EfficientNetV2B0"])
+@pytest.mark.parametrize("name", [pytest.param(name, marks=SLOW_ON_JAX)
+                                  for name in ("MobileNetV3Small", "EfficientNetV2B0")])
 def test_applications_models_lose_every_batch_normalization(name, rng):
     original = getattr(keras.applications, name)(weights=None, input_shape=(32, 32, 3),
                                                  classes=5)
