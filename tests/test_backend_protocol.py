@@ -158,3 +158,25 @@ def test_host_call_and_branch_inside_a_compiled_function():
     native.wait_for_host_callbacks()
     assert got == [4.0, -3.0]
     np.testing.assert_array_equal(np.stack(seen), [[2.0, 4.0], [-6.0, 2.0]])
+
+
+def test_concatenate_over_range_is_the_unrolled_concatenation():
+    """``concatenate_over_range(fn, count)`` equals ``concatenate([fn(k) for k in range(count)])``
+    eagerly and inside a compiled function, for ``(1, ...)`` results of an index ``k`` that is a
+    Python int or a traced int32 scalar (JAX's ``lax.map``)."""
+    import numpy as np
+
+    x = np.arange(24, dtype="float32").reshape(4, 3, 2)
+    expected = np.concatenate([x[k:k + 1] * (k + 1) + x.sum() for k in range(4)])
+
+    def over_range(values):
+        def one(k):
+            row = keras.ops.take(values, keras.ops.reshape(k, (1,)), axis=0)
+            return row * keras.ops.cast(k + 1, values.dtype) + keras.ops.sum(values)
+
+        return backend.native().concatenate_over_range(one, 4)
+
+    for run in (over_range, _compiled(over_range)):
+        got = keras.ops.convert_to_numpy(run(keras.ops.convert_to_tensor(x)))
+        assert got.shape == (4, 3, 2)
+        np.testing.assert_array_equal(got, expected)
